@@ -1,0 +1,1 @@
+"""What every rollgate service runs on: settings helpers, logs, gRPC server and channels, errors."""

@@ -1,0 +1,156 @@
+"""The gRPC server every service runs: health service, one log line per RPC, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+# 64 MiB: trajectories and long prompts exceed gRPC's default 4 MiB.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+)
+
+
+class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """One log line per finished RPC with its method and duration."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith("/grpc.health"):
+            return handler
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await inner_uu(request, context)
+                finally:
+                    _log_rpc(method, started, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                started = time.perf_counter()
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                finally:
+                    _log_rpc(method, started, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _log_rpc(method: str, started: float, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    code = context.code()
+    log.debug(
+        "rpc",
+        method=method,
+        code=code.name if isinstance(code, grpc.StatusCode) else "OK",
+        duration_ms=round((time.perf_counter() - started) * 1000, 3),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSpec:
+    """What a service needs from the shared bootstrap."""
+
+    name: str
+    host: str
+    port: int
+    # Service names (full proto names) announced on the health service.
+    service_names: Sequence[str]
+    grace_s: float = 10.0
+
+
+class GrpcServer:
+    """An `async with` gRPC server with health; `stop()` runs the one shutdown sequence."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self.server = grpc.aio.server(interceptors=[_LogInterceptor()], options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+
+    async def __aenter__(self) -> GrpcServer:
+        self.port = self.server.add_insecure_port(f"{self.spec.host}:{self.spec.port}")
+        if self.port == 0:
+            raise OSError(f"{self.spec.name}: cannot bind {self.spec.host}:{self.spec.port}")
+        await self.server.start()
+        return self
+
+    async def set_serving(self) -> None:
+        """Marks the service and each named service SERVING."""
+        for name in ("", *self.spec.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("service_started", name=self.spec.name, port=self.port)
+
+    async def stop(self) -> None:
+        """Health → NOT_SERVING, refuse new RPCs, let in-flight ones finish within the grace."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.spec.grace_s)
+        log.info("service_stopped", name=self.spec.name)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def wait_for_stop_signal() -> None:
+    """Returns on SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Runs a service's async main on uvloop."""
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        asyncio.run(main())

@@ -1,0 +1,41 @@
+"""Shared fixtures: a real Redis (REDIS_URL, else our own redis-server), never a skip."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from rollgate.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis URL for the whole test session: REDIS_URL if set, else a private redis-server."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A client for the test; the database is flushed first when it is our own server."""
+    client = aioredis.Redis.from_url(redis_url)
+    if not os.environ.get("REDIS_URL"):
+        await client.flushdb()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A unique Redis key prefix per test, so tests never see each other's data."""
+    return f"rgtest:{uuid.uuid4().hex[:8]}:"
