@@ -36,6 +36,8 @@ class RouterStub:
     RegisterWorker: _grpc.UnaryUnaryMultiCallable[_router_pb2.RegisterWorkerRequest, _router_pb2.RegisterWorkerResponse]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_router_pb2.HeartbeatRequest, _router_pb2.HeartbeatResponse]
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListWorkersRequest, _router_pb2.ListWorkersResponse]
+    DeregisterWorker: _grpc.UnaryUnaryMultiCallable[_router_pb2.DeregisterWorkerRequest, _router_pb2.DeregisterWorkerResponse]
+    """A worker that is shutting down: choose it for no new session."""
 
 @_typing.type_check_only
 class RouterAsyncStub(RouterStub):
@@ -45,6 +47,8 @@ class RouterAsyncStub(RouterStub):
     RegisterWorker: _aio.UnaryUnaryMultiCallable[_router_pb2.RegisterWorkerRequest, _router_pb2.RegisterWorkerResponse]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_router_pb2.HeartbeatRequest, _router_pb2.HeartbeatResponse]  # type: ignore[assignment]
     ListWorkers: _aio.UnaryUnaryMultiCallable[_router_pb2.ListWorkersRequest, _router_pb2.ListWorkersResponse]  # type: ignore[assignment]
+    DeregisterWorker: _aio.UnaryUnaryMultiCallable[_router_pb2.DeregisterWorkerRequest, _router_pb2.DeregisterWorkerResponse]  # type: ignore[assignment]
+    """A worker that is shutting down: choose it for no new session."""
 
 class RouterServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -75,5 +79,13 @@ class RouterServicer(metaclass=_abc_1.ABCMeta):
         request: _router_pb2.ListWorkersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.ListWorkersResponse, _abc.Awaitable[_router_pb2.ListWorkersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeregisterWorker(
+        self,
+        request: _router_pb2.DeregisterWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.DeregisterWorkerResponse, _abc.Awaitable[_router_pb2.DeregisterWorkerResponse]]:
+        """A worker that is shutting down: choose it for no new session."""
 
 def add_RouterServicer_to_server(servicer: RouterServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
