@@ -1,0 +1,59 @@
+"""Every Redis key name the dataproxy uses, in one place (see docs/internals.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Ended episodes keep their hash this long: the record that makes publication idempotent.
+ENDED_EPISODE_TTL_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    """Key names under one prefix (default `rg:`)."""
+
+    prefix: str = "rg:"
+
+    def key(self, digest: str) -> str:
+        """Hash describing one session key (found by its SHA-256 digest)."""
+        return f"{self.prefix}key:{digest}"
+
+    def episode(self, key_id: str, episode: str) -> str:
+        """Hash describing one episode of a key."""
+        return f"{self.prefix}ep:{key_id}:{episode}"
+
+    def turns(self, key_id: str, episode: str) -> str:
+        """List of msgpack turn records of one episode, in order."""
+        return f"{self.prefix}turns:{key_id}:{episode}"
+
+    def rewards(self, key_id: str, episode: str) -> str:
+        """Hash interaction id → reward of one episode."""
+        return f"{self.prefix}rewards:{key_id}:{episode}"
+
+    def interaction_index(self, key_id: str, episode: str) -> str:
+        """Hash interaction id → index in the turns list of one episode."""
+        return f"{self.prefix}ix:{key_id}:{episode}"
+
+    def refreshing(self, digest: str) -> str:
+        """Marker set (NX, with a TTL) while a refresh of the key runs."""
+        return f"{self.prefix}refreshing:{digest}"
+
+    @property
+    def trajectories(self) -> str:
+        """The stream of published trajectories."""
+        return f"{self.prefix}trajectories"
+
+    @property
+    def stats(self) -> str:
+        """Hash of counters: published, empty_episodes, consumed."""
+        return f"{self.prefix}stats"
+
+    @property
+    def weight_version(self) -> str:
+        """The current weight version (0 when unset)."""
+        return f"{self.prefix}weight_version"
+
+    @property
+    def session_seq(self) -> str:
+        """Counter behind session ids `<task_id>-<n>`."""
+        return f"{self.prefix}seq:session"
