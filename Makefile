@@ -1,0 +1,33 @@
+# The README's commands. `make run` and `make test` set up .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint protos bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)  ## the whole stack as local processes (embedded Redis, mock LLM unless configured)
+	$(BIN)/rollgate up $(ARGS)
+
+test: $(STAMP)  ## every test, against real Redis and real service processes
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy services rollgate
+
+protos: $(STAMP)  ## regenerate the gRPC stubs after editing protos/*.proto
+	PYTHON=$(BIN)/python bash protos/generate.sh
+
+bench: $(STAMP)  ## gateway vs direct-to-upstream throughput and latency
+	$(BIN)/python bench/run.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,168 @@
+"""The `rollgate` command: run the stack, the mock LLM, and look at trajectories."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from rollgate.stack import Stack, StackConfig, StackError, generate_admin_key
+
+_USAGE = """rollgate <command> [options]
+
+commands:
+  up                    run the whole stack as local processes (Ctrl-C stops it)
+  mock-llm              run the built-in mock LLM (OpenAI/vLLM wire format)
+  trajectories tail     show published trajectories as they arrive (never consumes them)
+
+`rollgate <command> --help` for a command's options.
+"""
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollgate up", description="Run the whole stack.")
+    parser.add_argument("--host", default="127.0.0.1", help="interface for every service")
+    parser.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("ROLLGATE_ADMIN_KEY", ""),
+        help="admin key (default: $ROLLGATE_ADMIN_KEY, else a generated one, printed)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("ROLLGATE_REDIS_URL") or os.environ.get("REDIS_URL") or None,
+        help="use this Redis (default: $REDIS_URL, else an embedded redis-server)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(os.environ.get("ROLLGATE_STATE_DIR", Path.home() / ".rollgate")),
+        help="logs and embedded Redis data (default ~/.rollgate)",
+    )
+    parser.add_argument(
+        "--mock-token-interval-ms",
+        type=float,
+        default=20.0,
+        help="the mock LLM's delay between streamed tokens (default 20)",
+    )
+    return parser
+
+
+def up_main(argv: Sequence[str]) -> int:
+    """`rollgate up`: starts everything, prints how to use it, stops everything on Ctrl-C."""
+    args = _up_parser().parse_args(argv)
+    admin_key = args.admin_key or generate_admin_key()
+    upstream = os.environ.get("ROLLGATE_UPSTREAM_BASE_URL") or None
+    config = StackConfig(
+        admin_key=admin_key,
+        host=args.host,
+        gateway_port=args.port,
+        workers=args.workers,
+        redis_url=args.redis_url,
+        upstream_base_url=upstream,
+        upstream_api_key=os.environ.get("ROLLGATE_UPSTREAM_API_KEY") or None,
+        upstream_kind=os.environ.get("ROLLGATE_UPSTREAM_KIND") or None,
+        upstream_models=os.environ.get("ROLLGATE_UPSTREAM_MODELS") or None,
+        mock_token_interval_ms=args.mock_token_interval_ms,
+        state_dir=args.state_dir,
+    )
+    stack = Stack(config)
+    _raise_on_sigterm()
+    print("rollgate: starting redis, router, dataproxy, workers and gateway …", flush=True)
+    try:
+        stack.start()
+    except StackError as err:
+        print(f"rollgate: failed to start: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    try:
+        _print_banner(stack, admin_key, generated=not args.admin_key)
+        while True:
+            dead = stack.dead_services()
+            if dead:
+                name = dead[0]
+                tail = stack.services[name].log_tail()
+                print(f"rollgate: {name} exited; stopping.\n{tail}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nrollgate: stopping …", flush=True)
+        return 0
+    finally:
+        stack.stop()
+
+
+def _raise_on_sigterm() -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
+    gw = stack.gateway_url
+    examples = "examples/openclaw"
+    lines = [
+        "",
+        f"rollgate is up: gateway {gw}  (OpenAI base_url {gw}/v1)",
+        f"  admin key : {admin_key}" + ("   (generated; pass --admin-key to fix it)" if generated else ""),
+        f"  redis     : {stack.redis_url}" + ("  (embedded)" if stack.redis else ""),
+        f"  logs      : {stack.log_dir}",
+    ]
+    if stack.mock_url:
+        lines += [
+            "",
+            "  !!! UPSTREAM IS THE BUILT-IN MOCK LLM (model 'rollgate-mock'): answers are fake. !!!",
+            "  !!! Set ROLLGATE_UPSTREAM_BASE_URL (and ROLLGATE_UPSTREAM_API_KEY) for a real model. !!!",
+        ]
+    lines += [
+        "",
+        "next:",
+        f"  export ROLLGATE_ADMIN_KEY={admin_key}",
+        f"  python {examples}/start_session.py {gw}",
+        f"  curl -N {gw}/v1/chat/completions -H 'Authorization: Bearer <sk-sess-… key>' \\",
+        "       -H 'Content-Type: application/json' \\",
+        "       -d '{\"model\": \"rollgate-mock\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}],"
+        " \"stream\": true}'",
+        f"  python {examples}/set_reward.py {gw} --api-key <sk-sess-… key> --reward 1.0",
+        f"  python {examples}/start_session.py {gw} --api-key <sk-sess-… key>   # refresh: publishes",
+        "  .venv/bin/rollgate trajectories tail --json",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `rollgate` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(_USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "up":
+        return up_main(rest)
+    if command == "mock-llm":
+        from rollgate.mock_llm import main as mock_main
+
+        return mock_main(rest)
+    if command == "trajectories":
+        if not rest or rest[0] != "tail":
+            print("usage: rollgate trajectories tail [--json] [--from-start] [--count N]")
+            return 2
+        from rollgate.trajectories_cli import tail_main
+
+        return tail_main(rest[1:])
+    print(f"rollgate: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The whole stack as local processes: what `rollgate up`, the end-to-end tests and the bench run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollgate.redis_server import RedisServer, free_port
+
+GRPC_SERVICES = {
+    "router": "rollgate.v1.Router",
+    "dataproxy": "rollgate.v1.DataProxy",
+    "worker": "rollgate.v1.Worker",
+}
+
+
+class StackError(RuntimeError):
+    """A process of the stack failed to start or died."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackConfig:
+    """What to run; everything left out gets a working local default."""
+
+    admin_key: str
+    host: str = "127.0.0.1"
+    gateway_port: int = 8080
+    workers: int = 2
+    # None: an embedded redis-server (persistent under `state_dir` when one is given).
+    redis_url: str | None = None
+    redis_prefix: str = "rg:"
+    # None: the built-in mock LLM.
+    upstream_base_url: str | None = None
+    upstream_api_key: str | None = None
+    upstream_kind: str | None = None
+    upstream_models: str | None = None
+    mock_latency_ms: float = 0.0
+    mock_token_interval_ms: float = 0.0
+    # Where process logs (and the embedded Redis data) go.
+    state_dir: Path | None = None
+    python: str = sys.executable
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 60.0
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    """One running service process and how to reach it."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    address: str
+    log_path: Path
+    kind: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Starts (or restarts) the process, appending to its log."""
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` if the process runs."""
+        if self.alive:
+            assert self.process is not None
+            self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code, or None if it is still running after `timeout_s`."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, limit: int = 3000) -> str:
+        """The end of the process's log, for error messages."""
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "(no log)"
+
+
+class Stack:
+    """Redis, mock LLM, router, dataproxy, workers and gateway; `with Stack(cfg) as s:`."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.state_dir = config.state_dir or Path.home() / ".rollgate"
+        self.log_dir = self.state_dir / "logs"
+        self.redis: RedisServer | None = None
+        self.redis_url = config.redis_url or ""
+        self.services: dict[str, ServiceProcess] = {}
+        self.mock_url: str | None = None
+
+    @property
+    def gateway_url(self) -> str:
+        """Base URL of the gateway (without /v1)."""
+        return f"http://{self.services['gateway'].address}"
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLGATE_")}
+        env.update(self.config.extra_env)
+        env.update(
+            ROLLGATE_REDIS_URL=self.redis_url,
+            ROLLGATE_REDIS_PREFIX=self.config.redis_prefix,
+            ROLLGATE_ADMIN_KEY=self.config.admin_key,
+            ROLLGATE_LOG_JSON="1",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(extra)
+        return env
+
+    def _add(self, name: str, kind: str, module: list[str], port: int, **env: str) -> None:
+        address = f"{self.config.host}:{port}"
+        self.services[name] = ServiceProcess(
+            name=name,
+            argv=[self.config.python, "-m", *module, "--host", self.config.host, "--port", str(port)],
+            env=self._env(**env),
+            address=address,
+            log_path=self.log_dir / f"{name}.log",
+            kind=kind,
+        )
+
+    def start(self) -> Stack:
+        """Starts every process in dependency order and waits until each is healthy."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        cfg = self.config
+        if not self.redis_url:
+            self.redis = RedisServer(appendonly=True, data_dir=str(self._redis_dir())).start()
+            self.redis_url = self.redis.url
+        if cfg.upstream_base_url is None:
+            port = free_port()
+            self._add(
+                "mock-llm", "http", ["rollgate.mock_llm"], port,
+            )  # fmt: skip
+            self.services["mock-llm"].argv += [
+                "--latency-ms", str(cfg.mock_latency_ms),
+                "--token-interval-ms", str(cfg.mock_token_interval_ms),
+            ]  # fmt: skip
+            self.mock_url = f"http://{cfg.host}:{port}/v1"
+            self._launch("mock-llm")
+        router_port, dataproxy_port = free_port(), free_port()
+        self._add("router", "router", ["services.router"], router_port)
+        self._add("dataproxy", "dataproxy", ["services.dataproxy"], dataproxy_port)
+        self._launch("router", "dataproxy")
+        upstream = {
+            "ROLLGATE_ROUTER_ADDR": f"{cfg.host}:{router_port}",
+            "ROLLGATE_UPSTREAM_BASE_URL": cfg.upstream_base_url or self.mock_url or "",
+            "ROLLGATE_UPSTREAM_KIND": cfg.upstream_kind or ("vllm" if self.mock_url else "openai"),
+        }
+        if cfg.upstream_api_key:
+            upstream["ROLLGATE_UPSTREAM_API_KEY"] = cfg.upstream_api_key
+        if cfg.upstream_models:
+            upstream["ROLLGATE_UPSTREAM_MODELS"] = cfg.upstream_models
+        workers = [f"worker-{i + 1}" for i in range(cfg.workers)]
+        for name in workers:
+            port = free_port()
+            self._add(
+                name, "worker", ["services.worker"], port,
+                ROLLGATE_WORKER_ID=name, ROLLGATE_WORKER_ADVERTISE=f"{cfg.host}:{port}", **upstream,
+            )  # fmt: skip
+        self._launch(*workers)
+        self._add(
+            "gateway", "gateway", ["services.gateway"], cfg.gateway_port,
+            ROLLGATE_ROUTER_ADDR=f"{cfg.host}:{router_port}",
+            ROLLGATE_DATAPROXY_ADDR=f"{cfg.host}:{dataproxy_port}",
+        )  # fmt: skip
+        self._launch("gateway")
+        self._write_state_file()
+
+    def _redis_dir(self) -> Path:
+        path = self.state_dir / "redis"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _launch(self, *names: str) -> None:
+        for name in names:
+            self.services[name].start()
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for name in names:
+            self.wait_healthy(name, deadline=deadline)
+
+    def wait_healthy(self, name: str, *, deadline: float) -> None:
+        """Polls the service's health check until it answers, or raises StackError."""
+        service = self.services[name]
+        while time.monotonic() < deadline:
+            if not service.alive:
+                raise StackError(f"{name} exited during start-up:\n{service.log_tail()}")
+            if _healthy(service):
+                return
+            time.sleep(0.05)
+        raise StackError(f"{name} was not healthy in time:\n{service.log_tail()}")
+
+    def _write_state_file(self) -> None:
+        state = {
+            "gateway_url": self.gateway_url,
+            "redis_url": self.redis_url,
+            "redis_prefix": self.config.redis_prefix,
+            "pid": os.getpid(),
+        }
+        with contextlib.suppress(OSError):
+            (self.state_dir / "stack.json").write_text(json.dumps(state, indent=2))
+
+    def dead_services(self) -> list[str]:
+        """Names of services that have exited."""
+        return [name for name, svc in self.services.items() if not svc.alive]
+
+    def stop_service(self, name: str, *, kill: bool = False, timeout_s: float = 15.0) -> int | None:
+        """Stops one service (SIGTERM, or SIGKILL with `kill`) and returns its exit code."""
+        service = self.services[name]
+        service.signal(signal.SIGKILL if kill else signal.SIGTERM)
+        code = service.wait(timeout_s)
+        if code is None:
+            service.signal(signal.SIGKILL)
+            code = service.wait(5.0)
+        return code
+
+    def restart_service(self, name: str) -> None:
+        """Starts a stopped service again and waits until it is healthy."""
+        self.services[name].start()
+        self.wait_healthy(name, deadline=time.monotonic() + self.config.start_timeout_s)
+
+    def stop(self) -> None:
+        """Stops everything, gateway first and Redis last, each gracefully when it can."""
+        order = ["gateway", *(n for n in self.services if n.startswith("worker-"))]
+        order += ["dataproxy", "router", "mock-llm"]
+        for name in order:
+            if name in self.services:
+                self.services[name].signal(signal.SIGTERM)
+        for name in order:
+            if name in self.services and self.services[name].wait(15.0) is None:
+                self.services[name].signal(signal.SIGKILL)
+                self.services[name].wait(5.0)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _healthy(service: ServiceProcess) -> bool:
+    if service.kind == "http":
+        return _http_ok(f"http://{service.address}/v1/models")
+    if service.kind == "gateway":
+        return _http_ok(f"http://{service.address}/ready")
+    return _grpc_serving(service.address, GRPC_SERVICES[service.kind])
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _grpc_serving(address: str, service: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def generate_admin_key() -> str:
+    """A fresh admin key for a stack started without one."""
+    return "rg-admin-" + secrets.token_urlsafe(24)
