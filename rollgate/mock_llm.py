@@ -1,0 +1,518 @@
+"""A mock LLM speaking the vLLM/OpenAI chat-completions wire format (a mock: answers are fake).
+
+Deterministic: a word-level tokenizer with ids from a stable hash, a simple chat template,
+seeded logprobs. The last user message can force behaviours for tests: `/tool` (a tool call
+when the request has tools), `/fail-<status>`, `/hang`, `/fail-midstream`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import signal
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+log = logging.getLogger("rollgate.mock_llm")
+
+MOCK_FINGERPRINT = "rollgate-mock"
+_PIECE = re.compile(r"\s*\S+|\s+")
+_FAIL = re.compile(r"/fail-(\d{3})\b")
+_REASONING_TEXT = "Let me think about what the user asked before I answer."
+_MAX_ECHO_WORDS = 24
+
+
+def tokenize(text: str) -> list[str]:
+    """Word-level pieces (each keeps its leading whitespace, like BPE); joined they give `text`."""
+    return _PIECE.findall(text)
+
+
+def token_id(piece: str) -> int:
+    """A stable id for a piece: 100 + crc32 % 50000."""
+    return 100 + zlib.crc32(piece.encode()) % 50_000
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def render_prompt(messages: Sequence[Any]) -> str:
+    """A ChatML-like template over the messages, ending with the assistant header."""
+    parts = []
+    for message in messages:
+        if isinstance(message, dict):
+            role = str(message.get("role", "user"))
+            parts.append(f"<|im_start|>{role}\n{_content_text(message.get('content'))}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def _last_user_text(messages: Sequence[Any]) -> str:
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return _content_text(message.get("content"))
+    return ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Token:
+    piece: str
+    logprob: float
+    # Which part of the answer the token belongs to: "reasoning", "content", "tool".
+    channel: str
+    # The text the client sees in its delta (tool markup tokens show none).
+    text: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Plan:
+    """Everything one request will answer, decided before the first byte."""
+
+    completion_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    tokens: list[_Token]
+    finish_reason: str
+    tool_name: str | None
+    tool_call_id: str
+    top_logprobs: int
+    want_logprobs: bool
+    want_token_ids: bool
+    want_usage: bool
+    stream: bool
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _plan(body: dict[str, Any], default_model: str) -> _Plan:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("'messages' must be a non-empty list")
+    seed = body.get("seed")
+    if not isinstance(seed, int):
+        seed = zlib.crc32(orjson.dumps(messages))
+    rng = random.Random(seed)
+    user_text = _last_user_text(messages)
+    tools = body.get("tools")
+    kwargs = body.get("chat_template_kwargs")
+    thinking = isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking"))
+
+    def make(piece: str, channel: str, text: str | None = None) -> _Token:
+        logprob = -(0.001 + rng.random() * 2.998)
+        return _Token(
+            piece=piece, logprob=logprob, channel=channel, text=piece if text is None else text
+        )
+
+    tokens: list[_Token] = []
+    if thinking:
+        tokens += [make(p, "reasoning") for p in tokenize(_REASONING_TEXT)]
+    tool_name: str | None = None
+    echo = " ".join(user_text.split()[:_MAX_ECHO_WORDS])
+    if isinstance(tools, list) and tools and "/tool" in user_text:
+        first = tools[0] if isinstance(tools[0], dict) else {}
+        function = first.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        tool_name = str(name or "tool")
+        arguments = orjson.dumps({"query": echo}).decode()
+        tokens.append(make("<tool_call>", "tool", ""))
+        # Split the arguments at a fixed point so they always stream in at least two fragments.
+        half = max(1, len(arguments) // 2)
+        tokens += [make(arguments[:half], "tool"), make(arguments[half:], "tool")]
+        finish_reason = "tool_calls"
+    else:
+        reply = f"Mock reply {rng.randint(1, 99)}: you said {echo}".rstrip()
+        tokens += [make(p, "content") for p in tokenize(reply)]
+        finish_reason = "stop"
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(limit, int) and 0 < limit < len(tokens):
+        tokens = tokens[:limit]
+        finish_reason = "length"
+    top = body.get("top_logprobs")
+    stream_options = body.get("stream_options")
+    return _Plan(
+        completion_id=f"chatcmpl-mock-{uuid.uuid4().hex[:24]}",
+        created=int(time.time()),
+        model=str(body.get("model") or default_model),
+        prompt_ids=[token_id(p) for p in tokenize(render_prompt(messages))],
+        tokens=tokens,
+        finish_reason=finish_reason,
+        tool_name=tool_name,
+        tool_call_id=f"call_{uuid.uuid4().hex[:16]}",
+        top_logprobs=top if isinstance(top, int) and top > 0 else 0,
+        want_logprobs=bool(body.get("logprobs")),
+        want_token_ids=bool(body.get("return_token_ids")),
+        want_usage=isinstance(stream_options, dict) and bool(stream_options.get("include_usage")),
+        stream=bool(body.get("stream")),
+    )
+
+
+def _logprob_entry(token: _Token, top: int) -> dict[str, Any]:
+    raw = list(token.piece.encode())
+    alternatives = [{"token": token.piece, "logprob": token.logprob, "bytes": raw}]
+    for i in range(1, top):
+        alt = f"<alt{i}>"
+        alternatives.append(
+            {"token": alt, "logprob": token.logprob - 1.0 - i, "bytes": list(alt.encode())}
+        )
+    return {
+        "token": token.piece,
+        "logprob": token.logprob,
+        "bytes": raw,
+        "top_logprobs": alternatives[:top],
+    }
+
+
+def _usage(plan: _Plan) -> dict[str, Any]:
+    completion = len(plan.tokens)
+    return {
+        "prompt_tokens": len(plan.prompt_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(plan.prompt_ids) + completion,
+    }
+
+
+def _completion_body(plan: _Plan) -> dict[str, Any]:
+    content = "".join(t.text for t in plan.tokens if t.channel == "content")
+    reasoning = "".join(t.text for t in plan.tokens if t.channel == "reasoning")
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if plan.tool_name is not None:
+        message["tool_calls"] = [
+            {
+                "id": plan.tool_call_id,
+                "type": "function",
+                "function": {
+                    "name": plan.tool_name,
+                    "arguments": "".join(t.text for t in plan.tokens if t.channel == "tool"),
+                },
+            }
+        ]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "logprobs": (
+            {
+                "content": [_logprob_entry(t, plan.top_logprobs) for t in plan.tokens],
+                "refusal": None,
+            }
+            if plan.want_logprobs
+            else None
+        ),
+        "finish_reason": plan.finish_reason,
+    }
+    body: dict[str, Any] = {
+        "id": plan.completion_id,
+        "object": "chat.completion",
+        "created": plan.created,
+        "model": plan.model,
+        "system_fingerprint": MOCK_FINGERPRINT,
+        "choices": [choice],
+        "usage": _usage(plan),
+    }
+    if plan.want_token_ids:
+        body["prompt_token_ids"] = plan.prompt_ids
+        choice["token_ids"] = [token_id(t.piece) for t in plan.tokens]
+    return body
+
+
+def _chunk(plan: _Plan, choice: dict[str, Any] | None, **extra: Any) -> bytes:
+    body: dict[str, Any] = {
+        "id": plan.completion_id,
+        "object": "chat.completion.chunk",
+        "created": plan.created,
+        "model": plan.model,
+        "system_fingerprint": MOCK_FINGERPRINT,
+        "choices": [choice] if choice is not None else [],
+    }
+    if plan.want_usage:
+        body["usage"] = None
+    body.update(extra)
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def _token_delta(plan: _Plan, token: _Token, first_tool_fragment: bool) -> dict[str, Any]:
+    if token.channel == "reasoning":
+        return {"reasoning_content": token.text}
+    if token.channel == "content":
+        return {"content": token.text}
+    fragment: dict[str, Any] = {"index": 0, "function": {"arguments": token.text}}
+    if first_tool_fragment:
+        fragment = {
+            "index": 0,
+            "id": plan.tool_call_id,
+            "type": "function",
+            "function": {"name": plan.tool_name, "arguments": token.text},
+        }
+    return {"tool_calls": [fragment]}
+
+
+def _stream_chunks(plan: _Plan) -> list[bytes]:
+    """Every SSE event of the answer, in order: role, one per token, finish, usage, [DONE]."""
+    first_extra: dict[str, Any] = (
+        {"prompt_token_ids": plan.prompt_ids} if plan.want_token_ids else {}
+    )
+    role_choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    if plan.want_token_ids:
+        role_choice["token_ids"] = []
+    events = [_chunk(plan, role_choice, **first_extra)]
+    first_tool = True
+    for token in plan.tokens:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": _token_delta(plan, token, first_tool and token.channel == "tool"),
+            "logprobs": (
+                {"content": [_logprob_entry(token, plan.top_logprobs)], "refusal": None}
+                if plan.want_logprobs
+                else None
+            ),
+            "finish_reason": None,
+        }
+        if token.channel == "tool":
+            first_tool = False
+        if plan.want_token_ids:
+            choice["token_ids"] = [token_id(token.piece)]
+        events.append(_chunk(plan, choice))
+    final: dict[str, Any] = {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": plan.finish_reason,
+    }
+    if plan.want_token_ids:
+        final["token_ids"] = []
+    events.append(_chunk(plan, final))
+    if plan.want_usage:
+        events.append(_chunk(plan, None, usage=_usage(plan)))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def _error(status: int, message: str, *, code: str | None = None, **headers: str) -> web.Response:
+    error_type = {
+        401: "invalid_request_error",
+        404: "invalid_request_error",
+        429: "rate_limit_exceeded",
+    }.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    return web.Response(
+        status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class MockStats:
+    """What the mock has seen, for tests."""
+
+    requests: int = 0
+    last_body: dict[str, Any] | None = None
+    last_headers: dict[str, str] = field(default_factory=dict)
+    # Streamed token chunks written so far, across requests.
+    tokens_streamed: int = 0
+    streams_finished: int = 0
+    # Requests whose client went away before the answer was complete.
+    disconnects: int = 0
+
+
+class MockLLM:
+    """The mock as an `async with` server: `async with MockLLM(port=0) as mock: mock.base_url`."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        latency_ms: float = 0.0,
+        token_interval_ms: float = 0.0,
+        model: str = "rollgate-mock",
+        api_key: str | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.latency_s = latency_ms / 1000
+        self.token_interval_s = token_interval_ms / 1000
+        self.model = model
+        self.api_key = api_key
+        self.stats = MockStats()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL, ending in /v1."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def app(self) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for prefix in ("/v1", ""):
+            app.router.add_post(f"{prefix}/chat/completions", self._chat)
+            app.router.add_get(f"{prefix}/models", self._models)
+        return app
+
+    async def __aenter__(self) -> MockLLM:
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or ()
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        log.warning(
+            "THIS IS THE ROLLGATE MOCK LLM on %s (model %r): answers are fake, not a real model",
+            self.base_url,
+            self.model,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.api_key:
+            return True
+        return request.headers.get("Authorization", "") == f"Bearer {self.api_key}"
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        body = {
+            "object": "list",
+            "data": [{"id": self.model, "object": "model", "owned_by": "rollgate-mock"}],
+        }
+        return web.json_response(body, dumps=lambda v: orjson.dumps(v).decode())
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.stats.requests += 1
+        self.stats.last_headers = dict(request.headers)
+        if not self._authorized(request):
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as err:
+            return _error(400, f"invalid JSON body: {err}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        self.stats.last_body = body
+        try:
+            plan = _plan(body, self.model)
+        except _BadRequest as err:
+            return _error(400, str(err))
+        user_text = _last_user_text(body["messages"])
+        forced = _FAIL.search(user_text)
+        if forced:
+            status = int(forced.group(1))
+            headers = {"Retry-After": "2"} if status == 429 else {}
+            return _error(status, f"mock failure {status} forced by the request", **headers)
+        if "/hang" in user_text:
+            return await self._hang(request)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if not plan.stream:
+            return web.Response(
+                body=orjson.dumps(_completion_body(plan)), content_type="application/json"
+            )
+        return await self._stream(request, plan, midstream_failure="/fail-midstream" in user_text)
+
+    async def _hang(self, request: web.Request) -> web.StreamResponse:
+        # Waits until the client goes away: the runner cancels handlers on disconnect.
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.stats.disconnects += 1
+            raise
+        raise AssertionError("unreachable")
+
+    async def _stream(
+        self, request: web.Request, plan: _Plan, *, midstream_failure: bool
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        events = _stream_chunks(plan)
+        last_token = len(plan.tokens)
+        try:
+            for i, event in enumerate(events):
+                if midstream_failure and i == 2:
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+                if 1 <= i <= last_token:
+                    if self.token_interval_s and i > 1:
+                        await asyncio.sleep(self.token_interval_s)
+                    await response.write(event)
+                    self.stats.tokens_streamed += 1
+                else:
+                    await response.write(event)
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stats.disconnects += 1
+            raise
+        self.stats.streams_finished += 1
+        return response
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rollgate.mock_llm`: serve the mock until interrupted."""
+    parser = argparse.ArgumentParser(prog="rollgate mock-llm", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--latency-ms", type=float, default=0.0, help="delay before the first token"
+    )
+    parser.add_argument("--token-interval-ms", type=float, default=0.0, help="delay between tokens")
+    parser.add_argument("--model", default="rollgate-mock")
+    parser.add_argument("--api-key", default=None, help="require this bearer key (401 otherwise)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    mock = MockLLM(
+        host=args.host,
+        port=args.port,
+        latency_ms=args.latency_ms,
+        token_interval_ms=args.token_interval_ms,
+        model=args.model,
+        api_key=args.api_key,
+    )
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with mock:
+            await stop.wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
