@@ -1,0 +1,253 @@
+"""The worker registry and session affinities in Redis: every router key name and operation.
+
+Nothing that matters for correctness lives in process memory, so routers can be replicated
+against one Redis. Heartbeat stamps are wall-clock seconds because several routers share them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.router.placement import WorkerState, choose, is_live, keeps_affinity
+from services.runtime.errors import InvalidRequest, Unavailable
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+# Two routers placing the same new session race at most once each; three rounds is plenty.
+_PLACE_ATTEMPTS = 3
+
+# Records the heartbeat only for a registered worker, so a deregistered (or flushed) one
+# learns that it must register again instead of reappearing half-known.
+_HEARTBEAT_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+return 1
+"""
+
+# Compare-and-set of a session's affinity: sets it only if it still holds what this router
+# read (ARGV[1], "" for none) and the chosen worker is still registered. Returns 1 when set.
+# A router that loses the race reads the winner's choice on its next round.
+_CLAIM_LUA = """
+local current = redis.call('GET', KEYS[1]) or ''
+if current ~= ARGV[1] then return 0 end
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if current ~= ARGV[2] then
+  redis.call('ZINCRBY', KEYS[3], 1, ARGV[2])
+  if current ~= '' and redis.call('ZSCORE', KEYS[3], current) then
+    if tonumber(redis.call('ZINCRBY', KEYS[3], -1, current)) < 0 then
+      redis.call('ZADD', KEYS[3], 0, current)
+    end
+  end
+end
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterKeys:
+    """Key names under one prefix (default `rg:`); see docs/internals.md."""
+
+    prefix: str = "rg:"
+
+    @property
+    def workers(self) -> str:
+        """Hash worker id → msgpack {address, models, registered_at}."""
+        return f"{self.prefix}workers"
+
+    @property
+    def heartbeats(self) -> str:
+        """Sorted set worker id → unix time of its last heartbeat."""
+        return f"{self.prefix}workers:hb"
+
+    @property
+    def in_flight(self) -> str:
+        """Hash worker id → in-flight turns at its last heartbeat."""
+        return f"{self.prefix}workers:inflight"
+
+    @property
+    def sessions(self) -> str:
+        """Sorted set worker id → sessions assigned to it."""
+        return f"{self.prefix}workers:sessions"
+
+    def affinity(self, session: str, model: str) -> str:
+        """String holding the worker id of (session, model), expiring when unused."""
+        return f"{self.prefix}aff:{session}:{model}"
+
+
+class Registry:
+    """Registers workers, records heartbeats and places sessions, all in Redis."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        keys: RouterKeys,
+        lease_s: float,
+        affinity_ttl_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._lease_s = lease_s
+        self._affinity_ttl_s = max(1, round(affinity_ttl_s))
+        self._clock = clock
+        self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
+        self._claim = redis.register_script(_CLAIM_LUA)
+
+    async def register(
+        self, *, worker_id: str, address: str, models: Sequence[str], timeout_s: float
+    ) -> None:
+        """Stores the worker (replacing an earlier registration) and counts as a heartbeat."""
+        if not worker_id or not address:
+            raise InvalidRequest("RegisterWorker needs a worker_id and an address (host:port)")
+        now = self._clock()
+        record = msgpack.packb({"address": address, "models": list(models), "registered_at": now})
+        k = self._keys
+        async with (
+            _redis_deadline(timeout_s, "register"),
+            self._redis.pipeline(transaction=True) as pipe,
+        ):
+            pipe.hset(k.workers, worker_id, record)
+            pipe.zadd(k.heartbeats, {worker_id: now})
+            pipe.hset(k.in_flight, worker_id, 0)
+            # A worker that registers again keeps its session count.
+            pipe.zadd(k.sessions, {worker_id: 0}, nx=True)
+            await pipe.execute()
+        log.info("worker_registered", worker_id=worker_id, address=address, models=list(models))
+
+    async def heartbeat(self, *, worker_id: str, in_flight: int, timeout_s: float) -> bool:
+        """Records a heartbeat; False when the worker is not registered (it must register)."""
+        if not worker_id:
+            raise InvalidRequest("Heartbeat needs a worker_id")
+        k = self._keys
+        async with _redis_deadline(timeout_s, "heartbeat"):
+            known = await self._heartbeat(
+                keys=[k.workers, k.heartbeats, k.in_flight],
+                args=[worker_id, f"{self._clock():.6f}", max(0, in_flight)],
+            )
+        if not known:
+            log.info("heartbeat_from_unknown_worker", worker_id=worker_id)
+        return bool(known)
+
+    async def deregister(self, *, worker_id: str, timeout_s: float) -> bool:
+        """Forgets the worker so it is chosen for nothing; True when it was registered."""
+        k = self._keys
+        async with (
+            _redis_deadline(timeout_s, "deregister"),
+            self._redis.pipeline(transaction=True) as pipe,
+        ):
+            pipe.hdel(k.workers, worker_id)
+            pipe.zrem(k.heartbeats, worker_id)
+            pipe.hdel(k.in_flight, worker_id)
+            pipe.zrem(k.sessions, worker_id)
+            removed, *_ = await pipe.execute()
+        log.info("worker_deregistered", worker_id=worker_id, known=bool(removed))
+        return bool(removed)
+
+    async def list_workers(self, *, timeout_s: float) -> list[WorkerState]:
+        """Every registered worker, live or not, ordered by worker id."""
+        async with (
+            _redis_deadline(timeout_s, "list_workers"),
+            self._redis.pipeline(transaction=True) as pipe,
+        ):
+            self._queue_snapshot(pipe)
+            replies = await pipe.execute()
+        return self._workers_from(replies)
+
+    async def route(
+        self, *, session: str, model: str, avoid_worker_id: str, timeout_s: float
+    ) -> WorkerState:
+        """The worker for (session, model): sticky while it is live, else placed afresh."""
+        if not session:
+            raise InvalidRequest("Route needs a session (the session key's digest)")
+        affinity_key = self._keys.affinity(session, model)
+        async with _redis_deadline(timeout_s, "route"):
+            for _ in range(_PLACE_ATTEMPTS):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.getex(affinity_key, ex=self._affinity_ttl_s)
+                    self._queue_snapshot(pipe)
+                    raw_affinity, *replies = await pipe.execute()
+                workers = self._workers_from(replies)
+                current_id = raw_affinity.decode() if raw_affinity else ""
+                current = next((w for w in workers if w.worker_id == current_id), None)
+                if current is not None and keeps_affinity(
+                    current, model=model, avoid_worker_id=avoid_worker_id
+                ):
+                    return current
+                chosen = choose(workers, model=model, avoid_worker_id=avoid_worker_id)
+                claimed = await self._claim(
+                    keys=[affinity_key, self._keys.workers, self._keys.sessions],
+                    args=[current_id, chosen.worker_id, self._affinity_ttl_s],
+                )
+                if claimed:
+                    log.info(
+                        "session_placed",
+                        session=session[:12],
+                        model=model,
+                        worker_id=chosen.worker_id,
+                        previous_worker_id=current_id,
+                    )
+                    return chosen
+        raise Unavailable(
+            "the router could not settle where this session goes; retry",
+            code="routing_contention",
+            retry_after_s=0.1,
+        )
+
+    def _queue_snapshot(self, pipe: Any) -> None:
+        k = self._keys
+        pipe.hgetall(k.workers)
+        pipe.zrange(k.heartbeats, 0, -1, withscores=True)
+        pipe.hgetall(k.in_flight)
+        pipe.zrange(k.sessions, 0, -1, withscores=True)
+
+    def _workers_from(self, replies: Sequence[Any]) -> list[WorkerState]:
+        raw_workers, heartbeats, in_flight, sessions = replies
+        last_seen = {wid.decode(): float(at) for wid, at in heartbeats}
+        load = {wid.decode(): int(n) for wid, n in in_flight.items()}
+        assigned = {wid.decode(): int(n) for wid, n in sessions}
+        now = self._clock()
+        workers = []
+        for raw_id, raw_record in sorted(raw_workers.items()):
+            worker_id = raw_id.decode()
+            record = msgpack.unpackb(raw_record)
+            seen_at = last_seen.get(worker_id)
+            workers.append(
+                WorkerState(
+                    worker_id=worker_id,
+                    address=str(record["address"]),
+                    models=tuple(str(m) for m in record.get("models", ())),
+                    live=is_live(seen_at, now=now, lease_s=self._lease_s),
+                    in_flight=load.get(worker_id, 0),
+                    sessions=max(0, assigned.get(worker_id, 0)),
+                    last_heartbeat_age_s=-1.0 if seen_at is None else max(0.0, now - seen_at),
+                )
+            )
+        return workers
+
+
+@contextlib.asynccontextmanager
+async def _redis_deadline(timeout_s: float, op: str) -> AsyncIterator[None]:
+    """Bounds Redis work by `timeout_s` and reports a failure as Unavailable."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except (TimeoutError, RedisError) as err:
+        log.warning("redis_failed", op=op, timeout_s=timeout_s, error=repr(err))
+        raise Unavailable(
+            "the router cannot reach Redis; retry shortly",
+            code="redis_unavailable",
+            retry_after_s=1.0,
+        ) from err
