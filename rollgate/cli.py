@@ -112,7 +112,8 @@ def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
     lines = [
         "",
         f"rollgate is up: gateway {gw}  (OpenAI base_url {gw}/v1)",
-        f"  admin key : {admin_key}" + ("   (generated; pass --admin-key to fix it)" if generated else ""),
+        f"  admin key : {admin_key}"
+        + ("   (generated; pass --admin-key to fix it)" if generated else ""),
         f"  redis     : {stack.redis_url}" + ("  (embedded)" if stack.redis else ""),
         f"  logs      : {stack.log_dir}",
     ]
@@ -129,8 +130,8 @@ def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
         f"  python {examples}/start_session.py {gw}",
         f"  curl -N {gw}/v1/chat/completions -H 'Authorization: Bearer <sk-sess-… key>' \\",
         "       -H 'Content-Type: application/json' \\",
-        "       -d '{\"model\": \"rollgate-mock\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}],"
-        " \"stream\": true}'",
+        '       -d \'{"model": "rollgate-mock", "messages": [{"role": "user", "content": "hi"}],'
+        ' "stream": true}\'',
         f"  python {examples}/set_reward.py {gw} --api-key <sk-sess-… key> --reward 1.0",
         f"  python {examples}/start_session.py {gw} --api-key <sk-sess-… key>   # refresh: publishes",
         "  .venv/bin/rollgate trajectories tail --json",

@@ -144,7 +144,15 @@ class Stack:
         address = f"{self.config.host}:{port}"
         self.services[name] = ServiceProcess(
             name=name,
-            argv=[self.config.python, "-m", *module, "--host", self.config.host, "--port", str(port)],
+            argv=[
+                self.config.python,
+                "-m",
+                *module,
+                "--host",
+                self.config.host,
+                "--port",
+                str(port),
+            ],
             env=self._env(**env),
             address=address,
             log_path=self.log_dir / f"{name}.log",
@@ -277,7 +285,10 @@ class Stack:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """One log line per finished RPC with its method and duration."""
 
     async def intercept_service(
@@ -61,7 +61,9 @@ class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            async def unary_stream(
+                request: Any, context: grpc.aio.ServicerContext[Any, Any]
+            ) -> Any:
                 started = time.perf_counter()
                 try:
                     async for item in inner_us(request, context):
@@ -146,7 +148,7 @@ async def wait_for_stop_signal() -> None:
                 loop.remove_signal_handler(sig)
 
 
-def run(main: Callable[[], Awaitable[None]]) -> None:
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Runs a service's async main on uvloop."""
     try:
         import uvloop

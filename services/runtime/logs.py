@@ -34,7 +34,9 @@ def configure_logging(*, service: str, json_logs: bool | None = None, level: str
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _redact,
             # show_locals defaults to True in rich tracebacks: locals can hold keys.
-            structlog.processors.dict_tracebacks if json_logs else structlog.processors.format_exc_info,
+            structlog.processors.dict_tracebacks
+            if json_logs
+            else structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
