@@ -18,7 +18,9 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
         shutil.copy(proto, work / "protos" / proto.name)
     shutil.copy(ROOT / "protos" / "generate.sh", work / "protos" / "generate.sh")
     env = {**os.environ, "PYTHON": sys.executable}
-    subprocess.run(["bash", "protos/generate.sh"], cwd=work, env=env, check=True, capture_output=True)
+    subprocess.run(
+        ["bash", "protos/generate.sh"], cwd=work, env=env, check=True, capture_output=True
+    )
 
     generated = sorted(p.name for p in (work / "protos").iterdir() if "_pb2" in p.name)
     committed = sorted(p.name for p in (ROOT / "protos").iterdir() if "_pb2" in p.name)
@@ -28,7 +30,9 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
         for name in generated
         if (work / "protos" / name).read_bytes() != (ROOT / "protos" / name).read_bytes()
     ]
-    assert not drifted, f"stubs out of date with the .proto files: {drifted}; run protos/generate.sh"
+    assert not drifted, (
+        f"stubs out of date with the .proto files: {drifted}; run protos/generate.sh"
+    )
 
 
 def test_every_proto_has_stubs() -> None:
