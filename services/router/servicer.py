@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -12,7 +12,7 @@ from services.router.registry import Registry
 from services.router.settings import RouterSettings
 from services.runtime.errors import RollgateError, abort_with
 
-Context = grpc.aio.ServicerContext[Any, Any]
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
