@@ -114,6 +114,7 @@ def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
         f"rollgate is up: gateway {gw}  (OpenAI base_url {gw}/v1)",
         f"  admin key : {admin_key}"
         + ("   (generated; pass --admin-key to fix it)" if generated else ""),
+        f"  trainer   : {stack.trainer_address}  (gRPC Trainer service; needs the admin key)",
         f"  redis     : {stack.redis_url}" + ("  (embedded)" if stack.redis else ""),
         f"  logs      : {stack.log_dir}",
     ]

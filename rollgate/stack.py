@@ -127,6 +127,11 @@ class Stack:
         """Base URL of the gateway (without /v1)."""
         return f"http://{self.services['gateway'].address}"
 
+    @property
+    def trainer_address(self) -> str:
+        """host:port of the Trainer gRPC service (served by the dataproxy)."""
+        return self.services["dataproxy"].address
+
     def _env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLGATE_")}
         env.update(self.config.extra_env)
@@ -242,6 +247,7 @@ class Stack:
             "gateway_url": self.gateway_url,
             "redis_url": self.redis_url,
             "redis_prefix": self.config.redis_prefix,
+            "trainer_address": self.trainer_address,
             "pid": os.getpid(),
         }
         with contextlib.suppress(OSError):
