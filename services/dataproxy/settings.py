@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.runtime.settings import env_float, env_str, redis_url
+from services.runtime.settings import env_bool, env_float, env_str, redis_url
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +25,9 @@ class DataProxySettings:
     # How long a refresh marker lives if its holder dies mid-refresh.
     refresh_lock_s: float = 130.0
     grace_s: float = 10.0
+    log_level: str = "info"
+    # None: JSON unless stderr is a terminal.
+    log_json: bool | None = None
 
     @classmethod
     def from_env(
@@ -37,6 +40,7 @@ class DataProxySettings:
                 "ROLLGATE_ADMIN_KEY is not set: the dataproxy needs the admin key to "
                 "authenticate Trainer calls (rollgate up sets it for you)"
             )
+        raw_json = env_str(environ, "ROLLGATE_LOG_JSON", "auto").lower()
         return cls(
             host=host or env_str(environ, "ROLLGATE_DATAPROXY_HOST", "127.0.0.1"),
             port=port if port is not None else 50052,
@@ -46,4 +50,6 @@ class DataProxySettings:
             trainer_key=env_str(environ, "ROLLGATE_TRAINER_KEY", ""),
             turn_timeout_s=env_float(environ, "ROLLGATE_TURN_TIMEOUT_S", 600.0),
             grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),
+            log_level=env_str(environ, "ROLLGATE_LOG_LEVEL", "info"),
+            log_json=None if raw_json == "auto" else env_bool(environ, "ROLLGATE_LOG_JSON", False),
         )

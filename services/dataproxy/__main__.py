@@ -1,0 +1,103 @@
+"""`python -m services.dataproxy [--host H] [--port P]`: the dataproxy process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Sequence
+
+import redis.asyncio as aioredis
+
+from protos import dataproxy_pb2_grpc, trainer_pb2_grpc
+from services.dataproxy.chat import TurnRunner
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import Scripts
+from services.dataproxy.servicer import DataProxyServicer
+from services.dataproxy.sessions import SessionStore
+from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.trainer_servicer import TrainerServicer
+from services.runtime.grpc_client import ChannelPool
+from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
+from services.runtime.logs import configure_logging, get_logger
+from services.runtime.redis_conn import open_redis
+
+SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer")
+REDIS_PING_TIMEOUT_S = 5.0
+
+log = get_logger(__name__)
+
+
+def build_dataproxy(
+    *, redis: aioredis.Redis, settings: DataProxySettings, channels: ChannelPool
+) -> DataProxyServicer:
+    """The DataProxy servicer over one Redis client and one worker channel pool."""
+    store = SessionStore(
+        redis=redis,
+        keys=RedisKeys(settings.redis_prefix),
+        scripts=Scripts.load(),
+        admin_key=settings.admin_key,
+        refresh_lock_s=settings.refresh_lock_s,
+    )
+    turns = TurnRunner(store=store, channels=channels, turn_timeout_s=settings.turn_timeout_s)
+    return DataProxyServicer(store=store, turns=turns)
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
+    """A running, SERVING dataproxy; leaving drains in-flight turns, then closes clients."""
+    async with contextlib.AsyncExitStack() as stack:
+        redis = open_redis(settings.redis_url)
+        stack.push_async_callback(redis.aclose)
+        try:
+            async with asyncio.timeout(REDIS_PING_TIMEOUT_S):
+                await redis.ping()
+        except Exception as err:
+            raise RuntimeError(
+                f"the dataproxy cannot reach Redis ({type(err).__name__}: {err}); "
+                "check ROLLGATE_REDIS_URL"
+            ) from err
+        channels = await stack.enter_async_context(ChannelPool())
+        trainer = TrainerServicer(
+            redis=redis, keys=RedisKeys(settings.redis_prefix), settings=settings
+        )
+        stack.push_async_callback(trainer.close)
+        server = GrpcServer(
+            ServerSpec(
+                name="dataproxy",
+                host=settings.host,
+                port=settings.port,
+                service_names=SERVICE_NAMES,
+                grace_s=settings.grace_s,
+            )
+        )
+        dataproxy_pb2_grpc.add_DataProxyServicer_to_server(
+            build_dataproxy(redis=redis, settings=settings, channels=channels), server.server
+        )
+        trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
+        # Entered last, so it stops first: in-flight turns drain while Redis and channels live.
+        await stack.enter_async_context(server)
+        await server.set_serving()
+        yield server
+
+
+async def _main(settings: DataProxySettings) -> None:
+    async with serving(settings):
+        await wait_for_stop_signal()
+        log.info("stop_signal_received")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parses the command line, reads the settings once and runs until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog="python -m services.dataproxy", description=__doc__)
+    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 50052; 0: any)")
+    args = parser.parse_args(argv)
+    settings = DataProxySettings.from_env(os.environ, host=args.host, port=args.port)
+    configure_logging(service="dataproxy", json_logs=settings.log_json, level=settings.log_level)
+    run(lambda: _main(settings))
+
+
+if __name__ == "__main__":
+    main()

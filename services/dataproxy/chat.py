@@ -1,0 +1,130 @@
+"""One chat turn: resolve the episode, call the worker, append the turn, then say done."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import grpc
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.dataproxy.sessions import ActiveEpisode, SessionStore
+from services.dataproxy.turns import encode_turn
+from services.runtime.errors import InvalidRequest, UpstreamError, from_rpc_error
+from services.runtime.grpc_client import ChannelPool
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnRequest:
+    """A turn as the gateway asks for it."""
+
+    key_digest: str
+    worker_address: str
+    body_json: bytes
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordedTurn:
+    """A turn that was appended to its episode."""
+
+    interaction_id: str
+    session_id: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletedTurn:
+    """A recorded non-streaming turn and the body the client gets."""
+
+    body_json: bytes
+    turn: RecordedTurn
+
+
+class TurnRunner:
+    """Runs turns against workers and records them; owns no connection of its own."""
+
+    def __init__(
+        self, *, store: SessionStore, channels: ChannelPool, turn_timeout_s: float
+    ) -> None:
+        self._store = store
+        self._channels = channels
+        self._turn_timeout_s = turn_timeout_s
+
+    async def stream(
+        self, request: TurnRequest
+    ) -> AsyncGenerator[list[bytes] | RecordedTurn, None]:
+        """Chunk batches as the worker sends them, then the RecordedTurn (after the append)."""
+        episode, stub, generate = await self._prepare(request)
+        call = stub.Generate(generate, timeout=self._turn_timeout_s)
+        record: common_pb2.TurnRecord | None = None
+        try:
+            async for message in call:
+                if message.HasField("chunks"):
+                    yield list(message.chunks.chunks)
+                elif message.HasField("record"):
+                    record = message.record
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, hop="worker") from err
+        finally:
+            # A no-op once the call finished; stops the worker when our client went away.
+            call.cancel()
+        if record is None:
+            raise UpstreamError("the worker ended the turn without a token record")
+        yield await self._record(episode, record, request)
+
+    async def complete(self, request: TurnRequest) -> CompletedTurn:
+        """One non-streaming turn, recorded before its body is returned."""
+        episode, stub, generate = await self._prepare(request)
+        call = stub.Complete(generate, timeout=self._turn_timeout_s)
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, hop="worker") from err
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        turn = await self._record(episode, response.record, request)
+        return CompletedTurn(body_json=response.body_json, turn=turn)
+
+    async def _prepare(
+        self, request: TurnRequest
+    ) -> tuple[ActiveEpisode, worker_pb2_grpc.WorkerStub, worker_pb2.GenerateRequest]:
+        if not request.worker_address:
+            raise InvalidRequest("no worker address: the gateway must route the turn first")
+        episode = await self._store.active_episode(request.key_digest)
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(request.worker_address))
+        generate = worker_pb2.GenerateRequest(
+            body_json=request.body_json,
+            weight_version=episode.weight_version,
+            request_id=request.request_id,
+        )
+        return episode, stub, generate
+
+    async def _record(
+        self, episode: ActiveEpisode, record: common_pb2.TurnRecord, request: TurnRequest
+    ) -> RecordedTurn:
+        if not record.interaction_id:
+            # Every interaction needs an id for set_reward; the worker should have sent one.
+            record.interaction_id = "chatcmpl-rg-" + secrets.token_hex(12)
+        data = encode_turn(record, weight_version=episode.weight_version, now=time.time())
+        index = await self._store.append_turn(
+            episode, interaction_id=record.interaction_id, record=data
+        )
+        log.info(
+            "turn_recorded",
+            session_id=episode.session_id,
+            interaction_id=record.interaction_id,
+            index=index,
+            request_id=request.request_id,
+            output_tokens=len(record.output_token_ids),
+        )
+        return RecordedTurn(
+            interaction_id=record.interaction_id, session_id=episode.session_id, index=index
+        )

@@ -1,0 +1,130 @@
+"""The DataProxy gRPC service: glue between protobuf and the session store and turn runner."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+
+from protos import dataproxy_pb2, dataproxy_pb2_grpc
+from services.dataproxy.chat import RecordedTurn, TurnRequest, TurnRunner
+from services.dataproxy.sessions import SessionStore
+from services.runtime.errors import RollgateError, abort_with
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+def _turn_request(request: dataproxy_pb2.ChatRequest) -> TurnRequest:
+    return TurnRequest(
+        key_digest=request.key_digest,
+        worker_address=request.worker_address,
+        body_json=request.body_json,
+        request_id=request.request_id,
+    )
+
+
+class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
+    """Sessions, rewards and chat turns over gRPC."""
+
+    def __init__(self, *, store: SessionStore, turns: TurnRunner) -> None:
+        self._store = store
+        self._turns = turns
+
+    async def StartSession(
+        self, request: dataproxy_pb2.StartSessionRequest, context: Context
+    ) -> dataproxy_pb2.StartSessionResponse:
+        try:
+            started = await self._store.start(task_id=request.task_id, api_key=request.api_key)
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.StartSessionResponse(
+            session_id=started.session_id,
+            api_key=started.api_key,
+            refreshed=started.refreshed,
+            ended_trajectory_id=started.ended_trajectory_id,
+        )
+
+    async def SetReward(
+        self, request: dataproxy_pb2.SetRewardRequest, context: Context
+    ) -> dataproxy_pb2.SetRewardResponse:
+        try:
+            interaction_id = await self._store.set_reward(
+                request.key_digest, reward=request.reward, interaction_id=request.interaction_id
+            )
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.SetRewardResponse(interaction_id=interaction_id)
+
+    async def EndSession(
+        self, request: dataproxy_pb2.EndSessionRequest, context: Context
+    ) -> dataproxy_pb2.EndSessionResponse:
+        try:
+            ended = await self._store.end(request.key_digest)
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.EndSessionResponse(
+            session_id=ended.session_id,
+            trajectory_id=ended.trajectory_id,
+            interaction_count=ended.interaction_count,
+        )
+
+    async def Chat(
+        self, request: dataproxy_pb2.ChatRequest, context: Context
+    ) -> AsyncIterator[dataproxy_pb2.ChatResponse]:
+        try:
+            async with contextlib.aclosing(self._turns.stream(_turn_request(request))) as items:
+                async for item in items:
+                    yield _chat_response(item)
+        except RollgateError as err:
+            await abort_with(context, err)
+
+    async def Complete(
+        self, request: dataproxy_pb2.ChatRequest, context: Context
+    ) -> dataproxy_pb2.CompleteChatResponse:
+        try:
+            done = await self._turns.complete(_turn_request(request))
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.CompleteChatResponse(
+            body_json=done.body_json,
+            interaction_id=done.turn.interaction_id,
+            session_id=done.turn.session_id,
+        )
+
+    async def ResolveKey(
+        self, request: dataproxy_pb2.ResolveKeyRequest, context: Context
+    ) -> dataproxy_pb2.ResolveKeyResponse:
+        try:
+            key = await self._store.resolve(request.key_digest)
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.ResolveKeyResponse(
+            key_id=key.key_id, session_id=key.episode if key.active else ""
+        )
+
+    async def GetHistory(
+        self, request: dataproxy_pb2.GetHistoryRequest, context: Context
+    ) -> dataproxy_pb2.GetHistoryResponse:
+        try:
+            history = await self._store.history(request.key_digest)
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.GetHistoryResponse(
+            session_id=history.session_id,
+            entries=[
+                dataproxy_pb2.HistoryEntry(interaction_id=iid, interaction_json=data)
+                for iid, data in history.entries
+            ],
+        )
+
+
+def _chat_response(item: list[bytes] | RecordedTurn) -> dataproxy_pb2.ChatResponse:
+    if isinstance(item, RecordedTurn):
+        return dataproxy_pb2.ChatResponse(
+            done=dataproxy_pb2.ChatDone(
+                interaction_id=item.interaction_id, session_id=item.session_id
+            )
+        )
+    return dataproxy_pb2.ChatResponse(chunks=dataproxy_pb2.ChunkList(chunks=item))

@@ -1,0 +1,96 @@
+"""Turn records: the worker's TurnRecord as the msgpack map stored per completed interaction."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import orjson
+
+from protos import common_pb2
+
+
+def pack_int32(values: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian bytes."""
+    packed = array("i", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def pack_float32(values: Sequence[float]) -> bytes:
+    """Logprobs as float32 little-endian bytes."""
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_int32(data: bytes) -> list[int]:
+    """The inverse of `pack_int32`."""
+    values = array("i")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+def unpack_float32(data: bytes) -> list[float]:
+    """The inverse of `pack_float32`."""
+    values = array("f")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+def encode_turn(record: common_pb2.TurnRecord, *, weight_version: int, now: float) -> bytes:
+    """The msgpack turn record of docs/internals.md; JSON fields stay bytes."""
+    data: bytes = msgpack.packb(
+        {
+            "interaction_id": record.interaction_id,
+            "created_at": record.started_at_unix_s or now,
+            "latency_s": record.latency_s,
+            "ttft_s": record.ttft_s,
+            "upstream_model": record.upstream_model,
+            "upstream_kind": record.upstream_kind,
+            "finish_reason": record.finish_reason,
+            "request_json": record.request_json,
+            "assistant_message_json": record.assistant_message_json,
+            "usage_json": record.usage_json or b"{}",
+            "prompt_token_ids": pack_int32(record.prompt_token_ids),
+            "output_token_ids": pack_int32(record.output_token_ids),
+            "output_logprobs": pack_float32(record.output_logprobs),
+            "exact_tokens": record.exact_tokens,
+            "length_mismatch": record.length_mismatch,
+            "weight_version": weight_version,
+        },
+        use_bin_type=True,
+    )
+    return data
+
+
+def decode_turn(data: bytes) -> dict[str, Any]:
+    """A stored turn record as a dict (JSON and packed fields still bytes)."""
+    turn: dict[str, Any] = msgpack.unpackb(data, raw=False)
+    return turn
+
+
+def history_entry(turn: dict[str, Any], reward: float | None) -> bytes:
+    """One interaction as JSON for GetHistory: request, output message, finish reason, reward."""
+    return orjson.dumps(
+        {
+            "interaction_id": turn["interaction_id"],
+            "created_at": turn["created_at"],
+            "request": orjson.loads(turn["request_json"]) if turn["request_json"] else None,
+            "output_message": orjson.loads(turn["assistant_message_json"])
+            if turn["assistant_message_json"]
+            else None,
+            "finish_reason": turn["finish_reason"],
+            "usage": orjson.loads(turn["usage_json"]) if turn["usage_json"] else {},
+            "reward": reward,
+        }
+    )
