@@ -1,0 +1,73 @@
+"""The gateway's aiohttp application and the server that runs it."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from services.gateway import chat, health, models, session_api
+from services.gateway.backends import SETTINGS, backends_ctx
+from services.gateway.http_errors import error_middleware
+from services.gateway.routing import RouteCache
+from services.gateway.settings import GatewaySettings
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def build_app(settings: GatewaySettings) -> web.Application:
+    """The application: routes, middlewares, and the gRPC channels as a cleanup context."""
+    # Outermost first: metrics see the status the error middleware produced.
+    app = web.Application(
+        middlewares=[health.metrics_middleware, error_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[chat.ROUTE_CACHE] = RouteCache(
+        ttl_s=settings.route_cache_ttl_s, max_entries=settings.route_cache_size
+    )
+    app[health.METRICS] = health.Metrics()
+    app[models.STARTED_AT] = int(time.time())
+    app.cleanup_ctx.append(backends_ctx)
+    app.router.add_post("/rl/start_session", session_api.start_session)
+    app.router.add_post("/rl/set_reward", session_api.set_reward)
+    app.router.add_post("/rl/end_session", session_api.end_session)
+    for prefix in ("/v1", ""):
+        app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
+        app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)
+    app.router.add_get("/health", health.health, allow_head=False)
+    app.router.add_get("/ready", health.ready, allow_head=False)
+    app.router.add_get("/metrics", health.metrics, allow_head=False)
+    return app
+
+
+class GatewayServer:
+    """`async with`: serves `build_app(settings)` on settings.host:settings.port (0: any)."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        # handler_cancellation: a client that disconnects cancels its handler, and so its RPC.
+        self.runner = web.AppRunner(build_app(settings), access_log=None, handler_cancellation=True)
+        self.port = 0
+
+    async def __aenter__(self) -> GatewayServer:
+        await self.runner.setup()
+        site = web.TCPSite(
+            self.runner,
+            self.settings.host,
+            self.settings.port,
+            shutdown_timeout=self.settings.grace_s,
+        )
+        try:
+            await site.start()
+        except BaseException:
+            await self.runner.cleanup()
+            raise
+        self.port = self.runner.addresses[0][1]
+        log.info("service_started", name="gateway", host=self.settings.host, port=self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+        log.info("service_stopped", name="gateway")

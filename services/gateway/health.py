@@ -1,0 +1,134 @@
+"""Liveness, readiness and Prometheus metrics: /health, /ready, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from grpc_health.v1 import health_pb2
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
+
+from protos import router_pb2
+from services.gateway.backends import BACKENDS, SETTINGS
+from services.gateway.http_errors import json_response
+
+# The status recorded for a request whose client went away before it finished.
+CLIENT_CLOSED_STATUS = 499
+
+
+class Metrics:
+    """The gateway's Prometheus metrics, in a registry of their own (one per app)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rollgate_gateway_requests",
+            "HTTP requests by route, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "rollgate_gateway_request_duration_seconds",
+            "Time to the end of the response (streams included), by route and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+
+    def observe(self, *, route: str, method: str, status: int, duration_s: float) -> None:
+        """Counts one finished request."""
+        labels = {"route": route, "method": method, "status": str(status)}
+        self.requests.labels(**labels).inc()
+        self.latency.labels(**labels).observe(duration_s)
+
+
+METRICS = web.AppKey("metrics", Metrics)
+
+
+def _route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Counts every request by route and final status (outside the error middleware)."""
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED_STATUS
+        raise
+    finally:
+        request.app[METRICS].observe(
+            route=_route_label(request),
+            method=request.method,
+            status=status,
+            duration_s=time.perf_counter() - started,
+        )
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: the process answers."""
+    return json_response({"status": "ok"})
+
+
+async def _check_serving(stub: Any, timeout_s: float) -> str | None:
+    """None when the peer's health service says SERVING, else what is wrong."""
+    try:
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.aio.AioRpcError as err:
+        return f"health check failed: {err.code().name}: {err.details()}"
+    if response.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
+    return None
+
+
+async def _count_live_workers(request: web.Request, timeout_s: float) -> tuple[int, str | None]:
+    try:
+        response = await request.app[BACKENDS].router.ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=timeout_s
+        )
+    except grpc.aio.AioRpcError as err:
+        return 0, f"cannot list workers: {err.code().name}: {err.details()}"
+    live = sum(1 for worker in response.workers if worker.live)
+    return live, None if live else "no live worker is registered with the router"
+
+
+async def ready(request: web.Request) -> web.Response:
+    """GET /ready: 200 when the dataproxy and router serve and ≥1 worker is live, else 503."""
+    backends = request.app[BACKENDS]
+    timeout_s = request.app[SETTINGS].ready_timeout_s
+    dataproxy_problem, router_problem, (live, workers_problem) = await asyncio.gather(
+        _check_serving(backends.dataproxy_health, timeout_s),
+        _check_serving(backends.router_health, timeout_s),
+        _count_live_workers(request, timeout_s),
+    )
+    problems = {
+        part: problem
+        for part, problem in (
+            ("dataproxy", dataproxy_problem),
+            ("router", router_problem),
+            ("workers", workers_problem),
+        )
+        if problem is not None
+    }
+    if problems:
+        body = {"status": "not_ready", "missing": list(problems), "detail": problems}
+        return json_response(body, status=503)
+    return json_response({"status": "ready", "live_workers": live})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text format."""
+    body = generate_latest(request.app[METRICS].registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response

@@ -1,0 +1,82 @@
+"""The one place that turns errors into HTTP: RollgateError and aiohttp's own 4xx become JSON."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from services.runtime.errors import InternalError, RollgateError
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+JSON_CONTENT_TYPE = "application/json"
+
+# aiohttp raises these itself (no route, wrong method, body too large, ...).
+_HTTP_EXCEPTION_SHAPES: dict[int, tuple[str, str]] = {
+    400: ("invalid_request_error", "invalid_request"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+def json_response(payload: Any, *, status: int = 200) -> web.Response:
+    """A response whose body is `payload` encoded by orjson."""
+    return web.Response(body=orjson.dumps(payload), status=status, content_type=JSON_CONTENT_TYPE)
+
+
+def retry_after_header(err: RollgateError) -> dict[str, str]:
+    """The `Retry-After` header (whole seconds, rounded up) when the error carries one."""
+    if err.retry_after_s is None:
+        return {}
+    return {"Retry-After": str(max(0, math.ceil(err.retry_after_s)))}
+
+
+def error_response(err: RollgateError) -> web.Response:
+    """The HTTP response for `err`: its status, its JSON body, Retry-After when set."""
+    response = json_response(err.to_json(), status=err.http_status)
+    response.headers.update(retry_after_header(err))
+    return response
+
+
+def sse_error_event(err: RollgateError) -> bytes:
+    """The one SSE event that ends a stream which failed after its first chunk."""
+    return b"data: " + orjson.dumps(err.to_json()) + b"\n\n"
+
+
+def _http_exception_response(exc: web.HTTPException) -> web.Response:
+    error_type, code = _HTTP_EXCEPTION_SHAPES.get(
+        exc.status, ("invalid_request_error", "http_error")
+    )
+    if exc.status == 413:
+        message = f"request body too large: {exc.text}" if exc.text else "request body too large"
+    elif exc.status == 404:
+        message = "no such endpoint; see /v1/chat/completions, /v1/models and /rl/*"
+    else:
+        message = exc.reason
+    body = {"error": {"message": message, "type": error_type, "code": code}}
+    response = json_response(body, status=exc.status)
+    if "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
+    return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Maps every error a handler raises to a JSON response."""
+    try:
+        return await handler(request)
+    except RollgateError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_exception_response(exc)
+    except Exception:
+        log.exception("unhandled_error", path=request.path, method=request.method)
+        return error_response(InternalError("internal error; see the gateway logs"))

@@ -1,0 +1,156 @@
+"""The AReaL-compatible session API: /rl/start_session, /rl/set_reward, /rl/end_session."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import orjson
+from aiohttp import web
+
+from protos import dataproxy_pb2
+from services.gateway.auth import require_admin_key, require_session_key
+from services.gateway.backends import BACKENDS, SETTINGS
+from services.gateway.http_errors import json_response
+from services.runtime.errors import InvalidRequest, from_rpc_error
+from services.runtime.keys import constant_time_equals, key_digest, looks_like_session_key
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartSessionCall:
+    """A validated /rl/start_session body."""
+
+    task_id: str
+    api_key: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetRewardCall:
+    """A validated /rl/set_reward body."""
+
+    reward: float
+    interaction_id: str
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; an empty body counts as `{}`."""
+    if not raw.strip():
+        return {}
+    try:
+        body: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise InvalidRequest(f"the request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"`{name}` must be a string")
+    return value
+
+
+def parse_start_session(raw: bytes, admin_key: str) -> StartSessionCall:
+    """`{task_id?, api_key?}`; refuses the admin key as a session key."""
+    body = _json_object(raw)
+    task_id = _optional_str(body, "task_id")
+    api_key = _optional_str(body, "api_key").strip()
+    if api_key and constant_time_equals(api_key, admin_key):
+        raise InvalidRequest(
+            "api_key is the admin key; pass a `sk-sess-…` key from an earlier "
+            "/rl/start_session to refresh it, or omit api_key for a new one",
+            code="admin_key_as_session_key",
+        )
+    if api_key and not looks_like_session_key(api_key):
+        raise InvalidRequest(
+            "api_key must be a `sk-sess-…` key returned by an earlier /rl/start_session",
+            code="not_a_session_key",
+        )
+    return StartSessionCall(task_id=task_id, api_key=api_key)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _non_finite(text)
+    return value
+
+
+def _non_finite(_: str) -> float:
+    raise InvalidRequest("reward must be a finite number", code="invalid_reward")
+
+
+def parse_set_reward(raw: bytes) -> SetRewardCall:
+    """`{reward, interaction_id?}` with a finite numeric reward."""
+    try:
+        body = _json_object(raw)
+    except InvalidRequest:
+        # orjson refuses NaN, Infinity and 1e999 outright; name the real problem if that is it.
+        with contextlib.suppress(ValueError):
+            json.loads(raw, parse_constant=_non_finite, parse_float=_finite_float)
+        raise
+    reward = body.get("reward")
+    if not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise InvalidRequest("reward must be a finite number", code="invalid_reward")
+    return SetRewardCall(reward=float(reward), interaction_id=_optional_str(body, "interaction_id"))
+
+
+async def start_session(request: web.Request) -> web.Response:
+    """POST /rl/start_session (admin key): a new session, or a refresh of `api_key`."""
+    settings = request.app[SETTINGS]
+    require_admin_key(request.headers, settings.admin_key)
+    call = parse_start_session(await request.read(), settings.admin_key)
+    rpc_request = dataproxy_pb2.StartSessionRequest(task_id=call.task_id, api_key=call.api_key)
+    try:
+        response = await request.app[BACKENDS].dataproxy.StartSession(
+            rpc_request, timeout=settings.start_session_timeout_s
+        )
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, hop="dataproxy") from None
+    return json_response({"session_id": response.session_id, "api_key": response.api_key})
+
+
+async def set_reward(request: web.Request) -> web.Response:
+    """POST /rl/set_reward (session key): reward the last (or named) interaction."""
+    settings = request.app[SETTINGS]
+    key = require_session_key(request.headers, settings.admin_key)
+    call = parse_set_reward(await request.read())
+    rpc_request = dataproxy_pb2.SetRewardRequest(
+        key_digest=key_digest(key), reward=call.reward, interaction_id=call.interaction_id
+    )
+    try:
+        response = await request.app[BACKENDS].dataproxy.SetReward(
+            rpc_request, timeout=settings.rpc_timeout_s
+        )
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, hop="dataproxy") from None
+    return json_response({"message": "success", "interaction_id": response.interaction_id})
+
+
+async def end_session(request: web.Request) -> web.Response:
+    """POST /rl/end_session (session key): end the episode and publish its trajectory."""
+    settings = request.app[SETTINGS]
+    key = require_session_key(request.headers, settings.admin_key)
+    rpc_request = dataproxy_pb2.EndSessionRequest(key_digest=key_digest(key))
+    try:
+        response = await request.app[BACKENDS].dataproxy.EndSession(
+            rpc_request, timeout=settings.end_session_timeout_s
+        )
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, hop="dataproxy") from None
+    return json_response(
+        {
+            "message": "success",
+            "session_id": response.session_id,
+            "trajectory_id": response.trajectory_id,
+            "interaction_count": response.interaction_count,
+        }
+    )

@@ -1,0 +1,72 @@
+"""Gateway settings, read once in `__main__`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.runtime.settings import env_bool, env_float, env_int, env_str
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewaySettings:
+    """Everything the gateway needs to know at start-up."""
+
+    # Authenticates /rl/start_session (and /v1/models); required, compared in constant time.
+    admin_key: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    router_addr: str = "127.0.0.1:50051"
+    dataproxy_addr: str = "127.0.0.1:50052"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Deadline for one chat turn, streaming included.
+    request_timeout_s: float = 600.0
+    # Deadline for routing and the small session calls (set_reward, models, ...).
+    rpc_timeout_s: float = 5.0
+    # start_session may wait for capacity (the dataproxy's refresh timeout is 120 s).
+    start_session_timeout_s: float = 130.0
+    # end_session publishes the trajectory: more work than a reward.
+    end_session_timeout_s: float = 30.0
+    # Deadline for each health check behind /ready.
+    ready_timeout_s: float = 2.0
+    route_cache_ttl_s: float = 5.0
+    route_cache_size: int = 100_000
+    # In-flight requests get this long to finish on shutdown.
+    grace_s: float = 10.0
+    log_level: str = "info"
+    log_json: bool | None = None
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str], *, host: str | None = None, port: int | None = None
+    ) -> GatewaySettings:
+        """Settings from the environment (and command-line host/port)."""
+        admin_key = env_str(environ, "ROLLGATE_ADMIN_KEY", "")
+        if not admin_key:
+            raise ValueError(
+                "ROLLGATE_ADMIN_KEY is not set: the gateway needs the admin key to authenticate "
+                "/rl/start_session (rollgate up sets it for you)"
+            )
+        max_body_bytes = env_int(environ, "ROLLGATE_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES)
+        if max_body_bytes <= 0:
+            raise ValueError(f"ROLLGATE_MAX_BODY_BYTES={max_body_bytes} must be positive")
+        request_timeout_s = env_float(environ, "ROLLGATE_REQUEST_TIMEOUT_S", 600.0)
+        if request_timeout_s <= 0:
+            raise ValueError(f"ROLLGATE_REQUEST_TIMEOUT_S={request_timeout_s} must be positive")
+        raw_json = environ.get("ROLLGATE_LOG_JSON", "").strip().lower()
+        return cls(
+            admin_key=admin_key,
+            host=host or env_str(environ, "ROLLGATE_GATEWAY_HOST", "127.0.0.1"),
+            port=port if port is not None else 8080,
+            router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
+            dataproxy_addr=env_str(environ, "ROLLGATE_DATAPROXY_ADDR", "127.0.0.1:50052"),
+            max_body_bytes=max_body_bytes,
+            request_timeout_s=request_timeout_s,
+            grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),
+            log_level=env_str(environ, "ROLLGATE_LOG_LEVEL", "info"),
+            log_json=None
+            if raw_json in ("", "auto")
+            else env_bool(environ, "ROLLGATE_LOG_JSON", False),
+        )
