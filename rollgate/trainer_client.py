@@ -1,0 +1,163 @@
+"""The Trainer service client: pull trajectories through a consumer group, ack, control."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import grpc
+import orjson
+
+from protos import trainer_pb2, trainer_pb2_grpc
+from rollgate.trajectory import Trajectory, decode_trajectory
+
+# Trajectories exceed gRPC's default 4 MiB; the dataproxy allows 64 MiB.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+_ERROR_METADATA_KEY = "rollgate-error-bin"
+
+
+class TrainerError(Exception):
+    """A Trainer call failed; `status` is the gRPC status, `code` rollgate's error code."""
+
+    def __init__(self, message: str, *, status: grpc.StatusCode, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PulledTrajectory:
+    """A trajectory and the stream id to ack once trained on."""
+
+    stream_id: str
+    trajectory: Trajectory
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerStats:
+    """What `GetStats` reports."""
+
+    open_episodes: int
+    published: int
+    consumed: int
+    pending: int
+    weight_version: int
+    empty_episodes: int
+
+
+class TrainerClient:
+    """`async with TrainerClient("host:50052", admin_key) as tc:` then pull, ack, control."""
+
+    def __init__(self, address: str, admin_key: str, *, timeout_s: float = 10.0) -> None:
+        self._address = address
+        self._metadata = (("authorization", f"Bearer {admin_key}"),)
+        self._timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: trainer_pb2_grpc.TrainerAsyncStub | None = None
+        self._seen: dict[str, str] = {}  # trajectory id → the stream id it came with
+
+    async def __aenter__(self) -> TrainerClient:
+        self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+        stub = trainer_pb2_grpc.TrainerStub(self._channel)
+        self._stub = cast("trainer_pb2_grpc.TrainerAsyncStub", stub)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def pull(
+        self, group: str, consumer: str, max_count: int = 0, idle_timeout_s: float = 0.0
+    ) -> AsyncIterator[PulledTrajectory]:
+        """Trajectories for `consumer` in `group`; duplicates (by trajectory id) are dropped.
+
+        Ends after `max_count` (0: no limit) or `idle_timeout_s` without a new trajectory
+        (0: runs until the caller stops iterating).
+        """
+        request = trainer_pb2.PullTrajectoriesRequest(
+            group=group, consumer=consumer, max_count=max_count, idle_timeout_s=idle_timeout_s
+        )
+        # No deadline on the stream itself: it ends by count or idle time; keepalive
+        # pings detect a dead server.
+        call = self._require_stub().PullTrajectories(request, metadata=self._metadata)
+        try:
+            async for message in call:
+                first = self._seen.get(message.trajectory_id)
+                if first is not None and first != message.stream_id:
+                    # The same episode published twice: never shown twice, never left pending.
+                    await self.ack(group, [message.stream_id])
+                    continue
+                if first is not None:
+                    continue  # redelivered (still pending): the caller already has it
+                if message.trajectory_id:
+                    self._seen[message.trajectory_id] = message.stream_id
+                yield PulledTrajectory(
+                    stream_id=message.stream_id,
+                    trajectory=decode_trajectory(message.data, message.codec or "msgpack"),
+                )
+        except grpc.aio.AioRpcError as err:
+            raise _trainer_error(err) from None
+        finally:
+            call.cancel()
+
+    async def ack(self, group: str, stream_ids: Sequence[str]) -> int:
+        """Acknowledges entries trained on; the number newly acked."""
+        request = trainer_pb2.AckRequest(group=group, stream_ids=list(stream_ids))
+        response = await self._unary(self._require_stub().Ack, request)
+        return int(response.acked)
+
+    async def set_weight_version(self, version: int) -> int:
+        """Stamps tokens generated from now on with `version` (never lower than current)."""
+        request = trainer_pb2.SetWeightVersionRequest(version=version)
+        response = await self._unary(self._require_stub().SetWeightVersion, request)
+        return int(response.version)
+
+    async def stats(self) -> TrainerStats:
+        """Published, consumed and pending counts, weight version."""
+        response = await self._unary(self._require_stub().GetStats, trainer_pb2.GetStatsRequest())
+        return TrainerStats(
+            open_episodes=response.open_episodes,
+            published=response.published,
+            consumed=response.consumed,
+            pending=response.pending,
+            weight_version=response.weight_version,
+            empty_episodes=response.empty_episodes,
+        )
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, metadata=self._metadata, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _trainer_error(err) from None
+
+    def _require_stub(self) -> trainer_pb2_grpc.TrainerAsyncStub:
+        if self._stub is None:
+            raise RuntimeError("use TrainerClient inside `async with`")
+        return self._stub
+
+
+def _trainer_error(err: grpc.aio.AioRpcError) -> TrainerError:
+    code = err.code().name.lower()
+    message = err.details() or code
+    for key, value in err.trailing_metadata() or ():
+        if key == _ERROR_METADATA_KEY and isinstance(value, bytes):
+            payload = orjson.loads(value)
+            message = str(payload.get("message", message))
+            code = str(payload.get("code", code))
+    return TrainerError(message, status=err.code(), code=code)

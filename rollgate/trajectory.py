@@ -1,0 +1,203 @@
+"""Decoding published trajectories into typed, read-only views (docs/trajectory-schema.md)."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+# The only constants shared with the writer; the schema doc is the single source.
+SUPPORTED_CODECS = ("msgpack",)
+SCHEMA_VERSION = 1
+
+
+class TrajectoryDecodeError(ValueError):
+    """The bytes are not a trajectory this library can read."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interaction:
+    """One LLM call of a trajectory, with its packed token arrays kept as bytes."""
+
+    interaction_id: str
+    index: int
+    parent: int | None
+    created_at: float
+    latency_s: float
+    ttft_s: float
+    model: str
+    upstream_kind: str
+    messages: list[Any]
+    tools: list[Any] | None
+    output: dict[str, Any]
+    finish_reason: str
+    usage: dict[str, Any]
+    prompt_token_ids_bytes: bytes
+    output_token_ids_bytes: bytes
+    output_logprobs_bytes: bytes
+    output_versions_bytes: bytes
+    exact_tokens: bool
+    length_mismatch: bool
+    reward: float
+    reward_set: bool
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids as the model saw them."""
+        return _unpack("i", self.prompt_token_ids_bytes)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The sampled output token ids."""
+        return _unpack("i", self.output_token_ids_bytes)
+
+    @property
+    def output_logprobs(self) -> list[float]:
+        """One logprob per sampled output token (float32 precision)."""
+        return _unpack_float(self.output_logprobs_bytes)
+
+    @property
+    def output_versions(self) -> list[int]:
+        """The weight version that produced each output token."""
+        return _unpack("i", self.output_versions_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trajectory:
+    """One published episode: its identity, timing, rewards and interactions in order."""
+
+    schema_version: int
+    trajectory_id: str
+    session_id: str
+    task_id: str
+    key_id: str
+    episode: str
+    group_id: str | None
+    started_at: float
+    ended_at: float
+    end_reason: str
+    final_reward: float
+    weight_versions: list[int]
+    stats: dict[str, int]
+    interactions: tuple[Interaction, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens over all interactions."""
+        return sum(len(i.prompt_token_ids_bytes) // 4 for i in self.interactions)
+
+    @property
+    def output_tokens(self) -> int:
+        """Sampled output tokens over all interactions."""
+        return sum(len(i.output_token_ids_bytes) // 4 for i in self.interactions)
+
+
+def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
+    """Decodes a trajectory as carried on the stream or by the Trainer service."""
+    if codec not in SUPPORTED_CODECS:
+        raise TrajectoryDecodeError(
+            f"codec {codec!r} is not supported by this rollgate ({', '.join(SUPPORTED_CODECS)}); "
+            "upgrade the client library"
+        )
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise TrajectoryDecodeError(f"not a msgpack trajectory: {err}") from err
+    if not isinstance(raw, dict):
+        raise TrajectoryDecodeError("a trajectory is a msgpack map")
+    version = int(raw.get("schema_version", 0))
+    if version > SCHEMA_VERSION:
+        raise TrajectoryDecodeError(
+            f"trajectory schema version {version} is newer than this library's "
+            f"({SCHEMA_VERSION}); upgrade rollgate"
+        )
+    return Trajectory(
+        schema_version=version,
+        trajectory_id=str(raw.get("trajectory_id", "")),
+        session_id=str(raw.get("session_id", "")),
+        task_id=str(raw.get("task_id", "")),
+        key_id=str(raw.get("key_id", "")),
+        episode=str(raw.get("episode", "")),
+        group_id=raw.get("group_id"),
+        started_at=float(raw.get("started_at", 0.0)),
+        ended_at=float(raw.get("ended_at", 0.0)),
+        end_reason=str(raw.get("end_reason", "")),
+        final_reward=float(raw.get("final_reward", 0.0)),
+        weight_versions=[int(v) for v in raw.get("weight_versions", ())],
+        stats={str(k): int(v) for k, v in (raw.get("stats") or {}).items()},
+        interactions=tuple(_interaction(item) for item in raw.get("interactions", ())),
+    )
+
+
+def trajectory_to_json(trajectory: Trajectory) -> dict[str, Any]:
+    """The trajectory as JSON-ready data: packed arrays become lists."""
+    out: dict[str, Any] = {
+        name: getattr(trajectory, name)
+        for name in Trajectory.__dataclass_fields__
+        if name != "interactions"
+    }
+    out["interactions"] = [_interaction_json(i) for i in trajectory.interactions]
+    return out
+
+
+def _interaction_json(interaction: Interaction) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in Interaction.__dataclass_fields__:
+        if name.endswith("_bytes"):
+            plain = name.removesuffix("_bytes")
+            out[plain] = getattr(interaction, plain)
+        else:
+            out[name] = getattr(interaction, name)
+    return out
+
+
+def _interaction(raw: Mapping[str, Any]) -> Interaction:
+    parent = raw.get("parent")
+    return Interaction(
+        interaction_id=str(raw.get("interaction_id", "")),
+        index=int(raw.get("index", 0)),
+        parent=None if parent is None else int(parent),
+        created_at=float(raw.get("created_at", 0.0)),
+        latency_s=float(raw.get("latency_s", 0.0)),
+        ttft_s=float(raw.get("ttft_s", 0.0)),
+        model=str(raw.get("model", "")),
+        upstream_kind=str(raw.get("upstream_kind", "")),
+        messages=list(raw.get("messages") or []),
+        tools=raw.get("tools"),
+        output=dict(raw.get("output") or {}),
+        finish_reason=str(raw.get("finish_reason", "")),
+        usage=dict(raw.get("usage") or {}),
+        prompt_token_ids_bytes=bytes(raw.get("prompt_token_ids") or b""),
+        output_token_ids_bytes=bytes(raw.get("output_token_ids") or b""),
+        output_logprobs_bytes=bytes(raw.get("output_logprobs") or b""),
+        output_versions_bytes=bytes(raw.get("output_versions") or b""),
+        exact_tokens=bool(raw.get("exact_tokens", False)),
+        length_mismatch=bool(raw.get("length_mismatch", False)),
+        reward=float(raw.get("reward", 0.0)),
+        reward_set=bool(raw.get("reward_set", False)),
+    )
+
+
+def _unpack(typecode: str, data: bytes) -> list[int]:
+    values = _little_endian_array(typecode, data)
+    return list(values)
+
+
+def _unpack_float(data: bytes) -> list[float]:
+    return list(_little_endian_array("f", data))
+
+
+def _little_endian_array(typecode: str, data: bytes) -> array[Any]:
+    values: array[Any] = array(typecode)
+    if values.itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte i/f
+        raise TrajectoryDecodeError(f"array({typecode!r}) is not 4 bytes wide here")
+    if len(data) % 4:
+        raise TrajectoryDecodeError(f"a packed array of {len(data)} bytes is not 4-byte aligned")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
