@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 
 from protos import router_pb2_grpc
@@ -21,6 +22,10 @@ SERVICE_NAME = "rollgate.v1.Router"
 log = get_logger(__name__)
 
 
+class StartupError(Exception):
+    """The router cannot start; the message says what to fix."""
+
+
 @contextlib.asynccontextmanager
 async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
     """A running, SERVING router; leaving stops it gracefully and closes Redis."""
@@ -31,7 +36,7 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
             async with asyncio.timeout(settings.redis_timeout_s):
                 await redis.ping()
         except Exception as err:
-            raise RuntimeError(
+            raise StartupError(
                 f"the router cannot reach Redis ({type(err).__name__}: {err}); "
                 "check ROLLGATE_REDIS_URL"
             ) from err
@@ -70,9 +75,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 50051; 0: any)")
     args = parser.parse_args(argv)
-    settings = RouterSettings.from_env(os.environ, host=args.host, port=args.port)
+    try:
+        settings = RouterSettings.from_env(os.environ, host=args.host, port=args.port)
+    except ValueError as err:
+        parser.error(str(err))
     configure_logging(service="router", json_logs=settings.log_json, level=settings.log_level)
-    run(lambda: _main(settings))
+    try:
+        run(lambda: _main(settings))
+    except (StartupError, OSError) as err:
+        log.error("startup_failed", error=str(err))
+        sys.exit(1)
 
 
 if __name__ == "__main__":
