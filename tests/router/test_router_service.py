@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
+import msgpack  # type: ignore[import-untyped]
 import pytest
+import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import router_pb2, router_pb2_grpc
@@ -41,7 +43,7 @@ class RunningRouter:
             router_pb2.HeartbeatRequest(worker_id=worker_id, in_flight=in_flight),
             timeout=RPC_TIMEOUT_S,
         )
-        return reply.known
+        return bool(reply.known)
 
     async def route(self, session: str, model: str = "m", avoid: str = "") -> str:
         reply = await self.stub.Route(
@@ -49,7 +51,7 @@ class RunningRouter:
             timeout=RPC_TIMEOUT_S,
         )
         assert reply.address == f"{reply.worker_id}.local:7000"
-        return reply.worker_id
+        return str(reply.worker_id)
 
     async def workers(self) -> dict[str, router_pb2.WorkerInfo]:
         reply = await self.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=RPC_TIMEOUT_S)
@@ -82,9 +84,9 @@ async def router(redis_url: str, key_prefix: str) -> AsyncIterator[RunningRouter
         yield running
 
 
-async def rpc_error(call: asyncio.Future[object] | object) -> grpc.aio.AioRpcError:
+async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call  # type: ignore[misc]
+        await call
     return caught.value
 
 
@@ -293,3 +295,26 @@ async def test_health_is_serving_then_not_after_stop(redis_url: str, key_prefix:
             assert err.code() == grpc.StatusCode.UNAVAILABLE
         else:
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_router_state_lives_under_the_documented_keys(
+    router: RunningRouter, redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    await router.register("w1", models=("m",))
+    await router.route("session-a", model="m")
+    keys = {k.decode() async for k in redis_client.scan_iter(match=f"{key_prefix}*")}
+    names = {k.removeprefix(key_prefix) for k in keys}
+    assert names == {
+        "workers",
+        "workers:hb",
+        "workers:inflight",
+        "workers:sessions",
+        "aff:session-a:m",
+    }
+    record = msgpack.unpackb(await redis_client.hget(f"{key_prefix}workers", "w1"))
+    assert record["address"] == "w1.local:7000"
+    assert record["models"] == ["m"]
+    # Each use refreshes the affinity's 24 h expiry.
+    await redis_client.expire(f"{key_prefix}aff:session-a:m", 60)
+    await router.route("session-a", model="m")
+    assert await redis_client.ttl(f"{key_prefix}aff:session-a:m") > 24 * 3600 - 60
