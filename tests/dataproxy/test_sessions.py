@@ -76,7 +76,21 @@ async def chat(store: SessionStore, api_key: str, interaction_id: str) -> Active
 
 
 async def stream_entries(redis: aioredis.Redis, keys: RedisKeys) -> list[dict[bytes, bytes]]:
-    return [fields for _id, fields in await redis.xrange(keys.trajectories)]
+    entries: Any = await redis.xrange(keys.trajectories)
+    return [fields for _id, fields in entries]
+
+
+async def stored_bytes(redis: aioredis.Redis, name: bytes) -> bytes:
+    """Everything a hash, list or string key holds, concatenated."""
+    kind = await redis.type(name)
+    if kind == b"hash":
+        fields: Any = await redis.hgetall(name)
+        return b"".join(bytes(k) + bytes(v) for k, v in fields.items())
+    if kind == b"list":
+        items: Any = await redis.lrange(name, 0, -1)
+        return b"".join(items)
+    value: Any = await redis.get(name)
+    return bytes(value or b"")
 
 
 def decode(entry: dict[bytes, bytes]) -> dict[str, Any]:
@@ -103,14 +117,9 @@ async def test_start_session_mints_a_key_and_stores_only_its_digest(
     assert names, "the session left nothing in Redis"
     for name in names:
         assert raw_key not in name
-        kind = await redis_client.type(name)
-        if kind == b"hash":
-            contents = b"".join(k + v for k, v in (await redis_client.hgetall(name)).items())
-        elif kind == b"list":
-            contents = b"".join(await redis_client.lrange(name, 0, -1))
-        else:
-            contents = await redis_client.get(name) or b""
-        assert raw_key not in contents, f"the raw key is stored in {name!r}"
+        assert raw_key not in await stored_bytes(redis_client, name), (
+            f"the raw key is stored in {name!r}"
+        )
 
 
 async def test_session_ids_count_up_per_task(store: SessionStore) -> None:
