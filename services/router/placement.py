@@ -54,10 +54,8 @@ def available_models(workers: Iterable[WorkerState]) -> list[str]:
 
 
 def choose(workers: Sequence[WorkerState], *, model: str, avoid_worker_id: str = "") -> WorkerState:
-    """The least-loaded live worker serving `model`, avoiding one if another exists.
-
-    Raises Unavailable when no worker is live, NotFound when none of them serves the model.
-    """
+    """The least-loaded live worker serving `model` (Unavailable / NotFound when none)."""
+    # `avoid_worker_id` is skipped only when another worker can serve.
     live = [w for w in workers if w.live]
     if not live:
         raise Unavailable(NO_LIVE_WORKER, code="no_live_worker", retry_after_s=1.0)
