@@ -53,12 +53,7 @@ class GatewayServer:
 
     async def __aenter__(self) -> GatewayServer:
         await self.runner.setup()
-        site = web.TCPSite(
-            self.runner,
-            self.settings.host,
-            self.settings.port,
-            shutdown_timeout=self.settings.grace_s,
-        )
+        site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
         try:
             await site.start()
         except BaseException:

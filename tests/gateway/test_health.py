@@ -1,0 +1,46 @@
+"""Liveness, readiness (bounded by deadlines) and metrics."""
+
+from __future__ import annotations
+
+import time
+
+from tests.gateway.conftest import Gateway
+
+
+async def test_health_is_ok_without_backends(gateway_without_backends: Gateway) -> None:
+    gateway = gateway_without_backends
+    async with gateway.http.get(gateway.url + "/health") as resp:
+        assert resp.status == 200
+        assert resp.content_type == "application/json"
+        assert await resp.json() == {"status": "ok"}
+
+
+async def test_ready_is_503_naming_every_missing_part(gateway_without_backends: Gateway) -> None:
+    gateway = gateway_without_backends
+    started = time.monotonic()
+    async with gateway.http.get(gateway.url + "/ready") as resp:
+        assert resp.status == 503
+        assert resp.content_type == "application/json"
+        body = await resp.json()
+    # Three checks run concurrently, each bounded by ready_timeout_s (1 s in tests).
+    assert time.monotonic() - started < 3 * gateway.settings.ready_timeout_s
+    assert body["status"] == "not_ready"
+    assert body["missing"] == ["dataproxy", "router", "workers"]
+    assert "UNAVAILABLE" in body["detail"]["router"]
+
+
+async def test_metrics_count_requests_by_route_and_status(
+    gateway_without_backends: Gateway,
+) -> None:
+    gateway = gateway_without_backends
+    async with gateway.http.get(gateway.url + "/health"):
+        pass
+    async with gateway.http.get(gateway.url + "/no/such/path"):
+        pass
+    async with gateway.http.get(gateway.url + "/metrics") as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/plain"
+        text = await resp.text()
+    assert 'rollgate_gateway_requests_total{method="GET",route="/health",status="200"} 1.0' in text
+    assert 'route="unmatched",status="404"' in text
+    assert "rollgate_gateway_request_duration_seconds_bucket" in text

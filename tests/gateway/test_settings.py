@@ -1,0 +1,43 @@
+"""Gateway settings from the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.settings import GatewaySettings
+
+
+def test_settings_require_the_admin_key() -> None:
+    with pytest.raises(ValueError, match="ROLLGATE_ADMIN_KEY is not set"):
+        GatewaySettings.from_env({})
+
+
+def test_settings_read_the_documented_variables() -> None:
+    settings = GatewaySettings.from_env(
+        {
+            "ROLLGATE_ADMIN_KEY": "adm",
+            "ROLLGATE_ROUTER_ADDR": "r:1",
+            "ROLLGATE_DATAPROXY_ADDR": "d:2",
+            "ROLLGATE_MAX_BODY_BYTES": "1000",
+            "ROLLGATE_REQUEST_TIMEOUT_S": "7.5",
+        },
+        host="0.0.0.0",
+        port=0,
+    )
+    assert (settings.admin_key, settings.host, settings.port) == ("adm", "0.0.0.0", 0)
+    assert (settings.router_addr, settings.dataproxy_addr) == ("r:1", "d:2")
+    assert (settings.max_body_bytes, settings.request_timeout_s) == (1000, 7.5)
+
+
+def test_settings_defaults_match_the_contract() -> None:
+    settings = GatewaySettings.from_env({"ROLLGATE_ADMIN_KEY": "adm"})
+    assert (settings.host, settings.port) == ("127.0.0.1", 8080)
+    assert settings.router_addr == "127.0.0.1:50051"
+    assert settings.dataproxy_addr == "127.0.0.1:50052"
+    assert settings.max_body_bytes == 32 * 1024 * 1024
+    assert settings.request_timeout_s == 600.0
+
+
+def test_settings_refuse_a_non_numeric_body_limit() -> None:
+    with pytest.raises(ValueError, match="ROLLGATE_MAX_BODY_BYTES"):
+        GatewaySettings.from_env({"ROLLGATE_ADMIN_KEY": "a", "ROLLGATE_MAX_BODY_BYTES": "big"})
