@@ -65,7 +65,8 @@ class TrainerClient:
         self._timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: trainer_pb2_grpc.TrainerAsyncStub | None = None
-        self._seen: dict[str, str] = {}  # trajectory id → the stream id it came with
+        # (group, trajectory id) → the stream id it first came with.
+        self._seen: dict[tuple[str, str], str] = {}
 
     async def __aenter__(self) -> TrainerClient:
         self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
@@ -85,7 +86,7 @@ class TrainerClient:
     async def pull(
         self, group: str, consumer: str, max_count: int = 0, idle_timeout_s: float = 0.0
     ) -> AsyncIterator[PulledTrajectory]:
-        """Trajectories for `consumer` in `group`; duplicates (by trajectory id) are dropped.
+        """Trajectories for `consumer` in `group`; duplicates (per group, by id) are dropped.
 
         Ends after `max_count` (0: no limit) or `idle_timeout_s` without a new trajectory
         (0: runs until the caller stops iterating).
@@ -98,7 +99,8 @@ class TrainerClient:
         call = self._require_stub().PullTrajectories(request, metadata=self._metadata)
         try:
             async for message in call:
-                first = self._seen.get(message.trajectory_id)
+                seen_key = (group, message.trajectory_id)
+                first = self._seen.get(seen_key)
                 if first is not None and first != message.stream_id:
                     # The same episode published twice: never shown twice, never left pending.
                     await self.ack(group, [message.stream_id])
@@ -106,7 +108,7 @@ class TrainerClient:
                 if first is not None:
                     continue  # redelivered (still pending): the caller already has it
                 if message.trajectory_id:
-                    self._seen[message.trajectory_id] = message.stream_id
+                    self._seen[seen_key] = message.stream_id
                 yield PulledTrajectory(
                     stream_id=message.stream_id,
                     trajectory=decode_trajectory(message.data, message.codec or "msgpack"),
