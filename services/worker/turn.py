@@ -1,0 +1,280 @@
+"""One turn's record, accumulated from upstream chunks or a completion, and the client's view.
+
+Pure: no I/O. The adapters (`openai_compat.py`, `vllm.py`) feed a `TurnAccumulator`; the
+functions at the bottom shape what the client gets back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientAsk:
+    """What the client asked to see, read from its body before the worker rewrites it."""
+
+    logprobs: bool
+    token_ids: bool
+    usage: bool
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> ClientAsk:
+        """Reads `logprobs`, `return_token_ids` and `stream_options.include_usage`."""
+        options = body.get("stream_options")
+        return cls(
+            logprobs=bool(body.get("logprobs")),
+            token_ids=bool(body.get("return_token_ids")),
+            usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnTiming:
+    """When the upstream call ran."""
+
+    started_at_unix_s: float
+    latency_s: float
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnResult:
+    """What one LLM call produced; the fields of the `TurnRecord` message, by name."""
+
+    interaction_id: str
+    upstream_model: str
+    finish_reason: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    exact_tokens: bool
+    assistant_message_json: bytes
+    usage_json: bytes
+    latency_s: float
+    ttft_s: float
+    upstream_kind: str
+    length_mismatch: bool
+    started_at_unix_s: float
+    request_json: bytes
+
+
+def choice_zero(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The choice with index 0 (only choice 0 is recorded), or None."""
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return None
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
+
+
+def _logprob_values(logprobs: Any) -> list[float]:
+    if not isinstance(logprobs, dict):
+        return []
+    content = logprobs.get("content")
+    if not isinstance(content, list):
+        return []
+    return [float(e["logprob"]) for e in content if isinstance(e, dict) and "logprob" in e]
+
+
+def _int_list(value: Any) -> list[int] | None:
+    if not isinstance(value, list):
+        return None
+    return [int(v) for v in value]
+
+
+class TurnAccumulator:
+    """Collects one turn from a stream of chunks or from one completion body."""
+
+    def __init__(self) -> None:
+        self.interaction_id = ""
+        self.model = ""
+        self.finish_reason = ""
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.message: dict[str, Any] | None = None
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: list[float] = []
+        self.usage: dict[str, Any] | None = None
+        # None: the upstream gave no ids (not the same as an empty output).
+        self.prompt_token_ids: list[int] | None = None
+        self.output_token_ids: list[int] | None = None
+        # True once a chunk carried generated output (for time to first token).
+        self.output_seen = False
+
+    def _read_header(self, body: dict[str, Any]) -> None:
+        if not self.interaction_id and isinstance(body.get("id"), str):
+            self.interaction_id = body["id"]
+        if not self.model and isinstance(body.get("model"), str):
+            self.model = body["model"]
+        usage = body.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+
+    def add_chunk(self, chunk: dict[str, Any]) -> None:
+        """Absorbs one `chat.completion.chunk` (the standard OpenAI fields of choice 0)."""
+        self._read_header(chunk)
+        choice = choice_zero(chunk)
+        if choice is None:
+            return
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            self._add_delta(delta)
+        values = _logprob_values(choice.get("logprobs"))
+        if values:
+            self.logprobs.extend(values)
+            self.output_seen = True
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+
+    def _add_delta(self, delta: dict[str, Any]) -> None:
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            self.content.append(content)
+            self.output_seen = True
+        reasoning = delta.get("reasoning_content")
+        if not isinstance(reasoning, str):
+            reasoning = delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            self.reasoning.append(reasoning)
+            self.output_seen = True
+        fragments = delta.get("tool_calls")
+        if isinstance(fragments, list):
+            for fragment in fragments:
+                if isinstance(fragment, dict):
+                    self._add_tool_fragment(fragment)
+
+    def _add_tool_fragment(self, fragment: dict[str, Any]) -> None:
+        self.output_seen = True
+        index = fragment.get("index", 0)
+        call = self.tool_calls.setdefault(
+            int(index) if isinstance(index, int) else 0,
+            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        if fragment.get("id") and not call["id"]:
+            call["id"] = fragment["id"]
+        if fragment.get("type"):
+            call["type"] = fragment["type"]
+        function = fragment.get("function")
+        if isinstance(function, dict):
+            if function.get("name") and not call["function"]["name"]:
+                call["function"]["name"] = function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                call["function"]["arguments"] += arguments
+
+    def add_completion(self, body: dict[str, Any]) -> None:
+        """Absorbs one non-streaming `chat.completion` body."""
+        self._read_header(body)
+        choice = choice_zero(body)
+        if choice is None:
+            return
+        message = choice.get("message")
+        if isinstance(message, dict):
+            self.message = message
+        self.logprobs.extend(_logprob_values(choice.get("logprobs")))
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+
+    def add_token_ids(self, body: dict[str, Any]) -> None:
+        """Absorbs vLLM's `prompt_token_ids` (top level or choice) and `choices[0].token_ids`."""
+        choice = choice_zero(body)
+        if self.prompt_token_ids is None:
+            prompt = _int_list(body.get("prompt_token_ids"))
+            if prompt is None and choice is not None:
+                prompt = _int_list(choice.get("prompt_token_ids"))
+            self.prompt_token_ids = prompt
+        output = _int_list(choice.get("token_ids")) if choice is not None else None
+        if output is not None:
+            if self.output_token_ids is None:
+                self.output_token_ids = []
+            self.output_token_ids.extend(output)
+            if output:
+                self.output_seen = True
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The assistant message: {role, content, reasoning_content?, tool_calls?}."""
+        if self.message is not None:
+            return _normalized_message(self.message)
+        tool_calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        content = "".join(self.content)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if not content and tool_calls else content,
+        }
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return message
+
+    def result(self, *, kind: str, request_json: bytes, timing: TurnTiming) -> TurnResult:
+        """The turn's record. Lengths are never padded or truncated: a mismatch is flagged."""
+        output_ids = self.output_token_ids
+        exact = output_ids is not None
+        return TurnResult(
+            interaction_id=self.interaction_id,
+            upstream_model=self.model,
+            finish_reason=self.finish_reason,
+            prompt_token_ids=self.prompt_token_ids or [],
+            output_token_ids=output_ids or [],
+            output_logprobs=self.logprobs,
+            exact_tokens=exact,
+            assistant_message_json=orjson.dumps(self.assistant_message()),
+            usage_json=orjson.dumps(self.usage or {}),
+            latency_s=timing.latency_s,
+            ttft_s=timing.ttft_s,
+            upstream_kind=kind,
+            length_mismatch=exact and len(self.logprobs) != len(output_ids or []),
+            started_at_unix_s=timing.started_at_unix_s,
+            request_json=request_json,
+        )
+
+
+def _normalized_message(message: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+def _strip_choices(body: dict[str, Any], ask: ClientAsk) -> None:
+    if not ask.token_ids:
+        for name in _TOKEN_ID_FIELDS:
+            body.pop(name, None)
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        # The wire shape of a choice whose logprobs were not requested is `"logprobs": null`.
+        if not ask.logprobs and choice.get("logprobs") is not None:
+            choice["logprobs"] = None
+        if not ask.token_ids:
+            for name in _TOKEN_ID_FIELDS:
+                choice.pop(name, None)
+
+
+def client_chunk(chunk: dict[str, Any], ask: ClientAsk) -> dict[str, Any] | None:
+    """The chunk as the client should see it (modified in place), or None to drop it."""
+    if not chunk.get("choices") and chunk.get("usage") is not None and not ask.usage:
+        return None
+    _strip_choices(chunk, ask)
+    return chunk
+
+
+def client_completion(body: dict[str, Any], ask: ClientAsk) -> dict[str, Any]:
+    """The completion body as the client should see it (modified in place)."""
+    _strip_choices(body, ask)
+    return body

@@ -1,0 +1,319 @@
+"""The HTTP client of the upstream LLM: the request it gets, the session, and its failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from multidict import CIMultiDictProxy
+
+from services.runtime.errors import (
+    InvalidRequest,
+    RollgateError,
+    TooManyRequests,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from services.runtime.logs import get_logger
+from services.worker.turn import ClientAsk
+
+log = get_logger(__name__)
+
+# Fields only rollgate or OpenAI's own service understands, and anything that could redirect or
+# re-authenticate the upstream call. `metadata` only goes with OpenAI's `store`.
+DENYLIST = frozenset(
+    {
+        "store",
+        "session_id",
+        "turn_type",
+        "session_done",
+        "api_base",
+        "base_url",
+        "api_key",
+        "extra_headers",
+        "extra_query",
+        "extra_body",
+        "metadata",
+        "prompt_cache_key",
+    }
+)
+
+DONE = b"[DONE]"
+# How much of an error body is read to find its message.
+_ERROR_BODY_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpstreamRequest:
+    """The body the upstream gets, and what the client asked to see."""
+
+    body: bytes
+    # {"messages": ..., "tools": ...?} as forwarded: the turn record's request_json.
+    request_json: bytes
+    ask: ClientAsk
+    model: str
+
+
+def parse_client_body(body_json: bytes) -> dict[str, Any]:
+    """The client's chat-completions body, parsed once; InvalidRequest when it is not one."""
+    try:
+        body = orjson.loads(body_json)
+    except orjson.JSONDecodeError as err:
+        raise InvalidRequest(f"the request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    if not isinstance(body.get("messages"), list):
+        raise InvalidRequest("the request body needs a 'messages' list")
+    return body
+
+
+def build_upstream_request(
+    body: dict[str, Any], *, stream: bool, prepare: Callable[[dict[str, Any]], None]
+) -> UpstreamRequest:
+    """Strips the denylist, forces logprobs (and usage when streaming); `prepare` adds the rest."""
+    ask = ClientAsk.of(body)
+    for name in DENYLIST & body.keys():
+        del body[name]
+    body["logprobs"] = True
+    if not ask.logprobs:
+        body.pop("top_logprobs", None)
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    else:
+        body.pop("stream_options", None)
+    prepare(body)
+    recorded: dict[str, Any] = {"messages": body["messages"]}
+    if "tools" in body:
+        recorded["tools"] = body["tools"]
+    model = body.get("model")
+    return UpstreamRequest(
+        body=orjson.dumps(body),
+        request_json=orjson.dumps(recorded),
+        ask=ask,
+        model=model if isinstance(model, str) else "",
+    )
+
+
+class SseParser:
+    """Splits an SSE byte stream into `data:` payloads, across arbitrary read boundaries."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._data: list[bytes] = []
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The payloads of every event completed by `data`."""
+        self._pending += data
+        lines = self._pending.split(b"\n")
+        self._pending = lines.pop()
+        events: list[bytes] = []
+        for raw in lines:
+            line = raw.removesuffix(b"\r")
+            if not line:
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                self._data.append(line[5:].removeprefix(b" "))
+        return events
+
+    def close(self) -> list[bytes]:
+        """The payload of a last event that had no blank line after it."""
+        if self._pending.startswith(b"data:"):
+            self._data.append(self._pending[5:].strip())
+        self._pending = b""
+        events = [b"\n".join(self._data)] if self._data else []
+        self._data = []
+        return events
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace").strip()[:500]
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if isinstance(parsed.get("detail"), str):
+            return str(parsed["detail"])
+    return body.decode(errors="replace").strip()[:500]
+
+
+def _retry_after_s(headers: CIMultiDictProxy[str]) -> float | None:
+    raw = headers.get("Retry-After", "")
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return None
+
+
+def error_for_status(
+    status: int, body: bytes, headers: CIMultiDictProxy[str], *, url: str
+) -> RollgateError:
+    """The rollgate error for an upstream HTTP error answer."""
+    message = _error_message(body)
+    if status in (401, 403):
+        return UpstreamError(
+            "the upstream rejected the server's API key (check ROLLGATE_UPSTREAM_API_KEY)",
+            code="upstream_auth_failed",
+        )
+    if status == 404:
+        return UpstreamError(
+            f"the upstream answered 404 for POST {url}: usually the base URL lacks /v1 or "
+            f"the model is not served there ({message})",
+            code="upstream_not_found",
+        )
+    if status == 429:
+        return TooManyRequests(
+            f"the upstream is rate limiting: {message}",
+            code="upstream_rate_limited",
+            retry_after_s=_retry_after_s(headers),
+        )
+    if 400 <= status < 500:
+        return InvalidRequest(f"the upstream refused the request: {message}")
+    return UpstreamError(f"the upstream failed with HTTP {status}: {message}")
+
+
+class UpstreamClient:
+    """One aiohttp session to the upstream, opened and closed by `async with`."""
+
+    def __init__(self, *, base_url: str, api_key: str, connect_timeout_s: float = 10.0) -> None:
+        self.base_url = base_url
+        self.chat_url = base_url + "/chat/completions"
+        self._api_key = api_key
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> UpstreamClient:
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s),
+            connector=aiohttp.TCPConnector(limit=1024),
+            raise_for_status=False,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The open session."""
+        if self._session is None:
+            raise RuntimeError("UpstreamClient is not open: use `async with`")
+        return self._session
+
+    async def list_models(self, *, timeout_s: float) -> list[str]:
+        """The model ids of GET <base>/models."""
+        async with asyncio.timeout(timeout_s), self.session.get(self.base_url + "/models") as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise error_for_status(
+                    resp.status, body, resp.headers, url=self.base_url + "/models"
+                )
+        data = orjson.loads(body).get("data") or []
+        return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+
+    @contextlib.asynccontextmanager
+    async def post_chat(
+        self, body: bytes, *, deadline: float
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POSTs to /chat/completions; yields a 200 response, closed on exit, or raises."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self.session.post(
+                    self.chat_url, data=body, headers={"Content-Type": "application/json"}
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"the upstream at {self.chat_url} did not answer in time"
+            ) from None
+        except aiohttp.ClientConnectorError as err:
+            if isinstance(err.os_error, ConnectionRefusedError):
+                raise Unavailable(
+                    f"the upstream at {self.chat_url} refused the connection",
+                    code="upstream_unavailable",
+                    retry_after_s=1.0,
+                ) from None
+            raise Unavailable(
+                f"the upstream at {self.chat_url} could not be reached ({err.os_error})",
+                code="upstream_unavailable",
+                retry_after_s=1.0,
+            ) from None
+        except aiohttp.ClientError as err:
+            raise UpstreamError(f"the upstream call failed: {type(err).__name__}: {err}") from None
+        try:
+            if response.status != 200:
+                error_body = await self._read_error_body(response, deadline=deadline)
+                raise error_for_status(
+                    response.status, error_body, response.headers, url=self.chat_url
+                )
+            yield response
+        finally:
+            # Closing (not releasing) drops the connection, which stops the generation upstream
+            # when the turn ends early (cancelled, failed mid-stream).
+            if not response.content.at_eof():
+                response.close()
+            response.release()
+
+    async def _read_error_body(self, response: aiohttp.ClientResponse, *, deadline: float) -> bytes:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await response.content.read(_ERROR_BODY_LIMIT)
+        except (TimeoutError, aiohttp.ClientError):
+            return b""
+
+    async def read_json(self, response: aiohttp.ClientResponse, *, deadline: float) -> Any:
+        """The whole body of a non-streaming answer, parsed."""
+        with _mid_response_errors():
+            async with asyncio.timeout_at(deadline):
+                body = await response.read()
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise UpstreamError("the upstream answered with a body that is not JSON") from None
+
+    async def read_events(
+        self, response: aiohttp.ClientResponse, *, deadline: float
+    ) -> AsyncIterator[list[bytes]]:
+        """SSE payloads in batches: each batch is what had arrived when it was read."""
+        parser = SseParser()
+        while True:
+            with _mid_response_errors():
+                async with asyncio.timeout_at(deadline):
+                    data = await response.content.readany()
+            if not data:
+                tail = parser.close()
+                if tail:
+                    yield tail
+                return
+            events = parser.feed(data)
+            if events:
+                yield events
+
+
+@contextlib.contextmanager
+def _mid_response_errors() -> Iterator[None]:
+    try:
+        yield
+    except TimeoutError:
+        raise UpstreamTimeout("the upstream did not finish its answer in time") from None
+    except aiohttp.ClientError as err:
+        raise UpstreamError(
+            f"the upstream broke off its answer mid-response ({type(err).__name__}: {err})",
+            code="upstream_broken_stream",
+        ) from None

@@ -1,0 +1,74 @@
+"""A real Worker gRPC server in-process against a real mock LLM, both on port 0."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from protos import worker_pb2_grpc
+from rollgate.mock_llm import MockLLM
+from services.runtime.grpc_client import open_channel
+from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.worker.adapters import adapter_for
+from services.worker.servicer import WorkerServicer
+from services.worker.turns import TurnRunner
+from services.worker.upstream import UpstreamClient
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerUnderTest:
+    """A worker's stub and its runner (for the in-flight count)."""
+
+    stub: worker_pb2_grpc.WorkerStub
+    runner: TurnRunner
+    channel: grpc.aio.Channel
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    base_url: str, *, kind: str = "vllm", api_key: str = "", timeout_s: float = 10.0
+) -> AsyncIterator[WorkerUnderTest]:
+    """A Worker servicer on a real gRPC server (port 0) calling `base_url`."""
+    async with UpstreamClient(base_url=base_url, api_key=api_key) as upstream:
+        runner = TurnRunner(upstream=upstream, adapter=adapter_for(kind))
+        server = GrpcServer(
+            ServerSpec(
+                name="worker",
+                host="127.0.0.1",
+                port=0,
+                service_names=("rollgate.v1.Worker",),
+                grace_s=1.0,
+            )
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(
+            WorkerServicer(runner, upstream_timeout_s=timeout_s), server.server
+        )
+        async with server:
+            await server.set_serving()
+            channel = open_channel(f"127.0.0.1:{server.port}")
+            try:
+                yield WorkerUnderTest(
+                    stub=worker_pb2_grpc.WorkerStub(channel), runner=runner, channel=channel
+                )
+            finally:
+                await channel.close()
+
+
+@contextlib.asynccontextmanager
+async def mock_and_worker(
+    *,
+    kind: str = "vllm",
+    token_interval_ms: float = 0.0,
+    mock_key: str | None = None,
+    worker_key: str = "",
+    timeout_s: float = 10.0,
+) -> AsyncIterator[tuple[MockLLM, WorkerUnderTest]]:
+    """A fresh mock LLM and a worker in front of it."""
+    async with MockLLM(port=0, token_interval_ms=token_interval_ms, api_key=mock_key) as mock:
+        async with running_worker(
+            mock.base_url, kind=kind, api_key=worker_key, timeout_s=timeout_s
+        ) as worker:
+            yield mock, worker
