@@ -1,0 +1,293 @@
+"""The gateway over HTTP in front of the real router, dataproxy and worker (in-process, port 0),
+the mock LLM upstream and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from protos import router_pb2, router_pb2_grpc
+from rollgate.mock_llm import MockLLM
+from services.dataproxy.__main__ import serving as dataproxy_serving
+from services.dataproxy.settings import DataProxySettings
+from services.gateway.app import GatewayServer
+from services.router.__main__ import serving as router_serving
+from services.router.settings import RouterSettings
+from services.runtime.grpc_client import open_channel
+from services.runtime.keys import key_digest, new_session_key
+from services.worker.__main__ import serving as worker_serving
+from services.worker.settings import WorkerSettings
+from tests.gateway.conftest import ADMIN_KEY, gateway_settings
+
+MODEL = "rollgate-mock"
+READY_DEADLINE_S = 15.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stack:
+    """A running chain and an HTTP client for its gateway."""
+
+    url: str
+    http: aiohttp.ClientSession
+    router_addr: str
+    dataproxy_addr: str
+    prefix: str
+
+
+@pytest.fixture
+async def stack(
+    redis_url: str, key_prefix: str, redis_client: aioredis.Redis
+) -> AsyncIterator[Stack]:
+    """Router, dataproxy, one worker on the mock LLM, and a gateway; ready when yielded."""
+    # Depends on redis_client so that its flush happens before the stack writes anything.
+    del redis_client
+    async with contextlib.AsyncExitStack() as exits:
+        router = await exits.enter_async_context(
+            router_serving(
+                RouterSettings(port=0, redis_url=redis_url, redis_prefix=key_prefix, grace_s=1.0)
+            )
+        )
+        router_addr = f"127.0.0.1:{router.port}"
+        dataproxy = await exits.enter_async_context(
+            dataproxy_serving(
+                DataProxySettings(
+                    port=0,
+                    redis_url=redis_url,
+                    redis_prefix=key_prefix,
+                    admin_key=ADMIN_KEY,
+                    grace_s=1.0,
+                )
+            )
+        )
+        dataproxy_addr = f"127.0.0.1:{dataproxy.port}"
+        mock = await exits.enter_async_context(MockLLM(port=0, model=MODEL))
+        await exits.enter_async_context(
+            worker_serving(
+                WorkerSettings(
+                    port=0,
+                    router_addr=router_addr,
+                    worker_id="w-live",
+                    upstream_base_url=mock.base_url,
+                    upstream_models=(MODEL,),
+                    grace_s=1.0,
+                )
+            )
+        )
+        settings = gateway_settings(router_addr=router_addr, dataproxy_addr=dataproxy_addr)
+        server = await exits.enter_async_context(GatewayServer(settings))
+        http = await exits.enter_async_context(aiohttp.ClientSession())
+        url = f"http://127.0.0.1:{server.port}"
+        await _wait_ready(http, url)
+        yield Stack(
+            url=url,
+            http=http,
+            router_addr=router_addr,
+            dataproxy_addr=dataproxy_addr,
+            prefix=key_prefix,
+        )
+
+
+async def _wait_ready(http: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while True:
+        async with http.get(url + "/ready") as resp:
+            body = await resp.json()
+            if resp.status == 200:
+                return
+        assert time.monotonic() < deadline, f"gateway never became ready: {body}"
+        # The polling interval of a deadline-bounded wait.
+        await asyncio.sleep(0.05)
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _chat_body(text: str, *, stream: bool) -> dict[str, Any]:
+    return {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": text}]}
+
+
+async def _start(stack: Stack, **body: Any) -> dict[str, Any]:
+    async with stack.http.post(
+        stack.url + "/rl/start_session", json=body, headers=_auth(ADMIN_KEY)
+    ) as resp:
+        payload: dict[str, Any] = await resp.json()
+        assert resp.status == 200, payload
+        return payload
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> list[bytes]:
+    raw = await resp.read()
+    assert raw.endswith(b"\n\n")
+    events = raw.split(b"\n\n")[:-1]
+    assert all(event.startswith(b"data: ") for event in events), raw
+    return [event[len(b"data: ") :] for event in events]
+
+
+async def test_session_lifecycle_through_the_gateway(
+    stack: Stack, redis_client: aioredis.Redis
+) -> None:
+    started = await _start(stack, task_id="task-a")
+    key = started["api_key"]
+    assert key.startswith("sk-sess-")
+    assert started["session_id"]
+
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions", json=_chat_body("hi", stream=False), headers=_auth(key)
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.content_type == "application/json"
+        completion = await resp.json()
+    assert completion["object"] == "chat.completion"
+    assert completion["choices"][0]["message"]["role"] == "assistant"
+
+    async with stack.http.post(
+        stack.url + "/chat/completions", json=_chat_body("again", stream=True), headers=_auth(key)
+    ) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        assert resp.headers["Cache-Control"] == "no-cache"
+        assert resp.headers["X-Accel-Buffering"] == "no"
+        events = await _sse_events(resp)
+    assert events[-1] == b"[DONE]"
+    chunks = [orjson.loads(event) for event in events[:-1]]
+    assert len(chunks) >= 2
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    stream_id = chunks[0]["id"]
+
+    async with stack.http.post(
+        stack.url + "/rl/set_reward", json={"reward": 1.5}, headers=_auth(key)
+    ) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"message": "success", "interaction_id": stream_id}
+
+    async with stack.http.get(stack.url + "/v1/models", headers=_auth(key)) as resp:
+        assert resp.status == 200
+        models = await resp.json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["owned_by"] == "rollgate"
+
+    refreshed = await _start(stack, task_id="task-a", api_key=key)
+    assert refreshed["api_key"] == key
+    assert refreshed["session_id"] != started["session_id"]
+    assert await redis_client.xlen(f"{stack.prefix}trajectories") == 1
+
+    async with stack.http.post(stack.url + "/rl/end_session", headers=_auth(key)) as resp:
+        assert resp.status == 200
+        ended = await resp.json()
+    assert ended == {
+        "message": "success",
+        "session_id": refreshed["session_id"],
+        "trajectory_id": "",
+        "interaction_count": 0,
+    }
+    # The empty second episode is not published.
+    assert await redis_client.xlen(f"{stack.prefix}trajectories") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_between_episodes_is_503_with_retry_after(stack: Stack, stream: bool) -> None:
+    key = (await _start(stack))["api_key"]
+    async with stack.http.post(stack.url + "/rl/end_session", headers=_auth(key)) as resp:
+        assert resp.status == 200
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions", json=_chat_body("hi", stream=stream), headers=_auth(key)
+    ) as resp:
+        assert resp.status == 503
+        assert resp.content_type == "application/json"
+        assert int(resp.headers["Retry-After"]) >= 1
+        body = await resp.json()
+    assert body["error"]["type"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unknown_session_key_is_401(stack: Stack, stream: bool) -> None:
+    key = new_session_key()
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions", json=_chat_body("hi", stream=stream), headers=_auth(key)
+    ) as resp:
+        assert resp.status == 401
+        assert resp.content_type == "application/json"
+        body = await resp.json()
+    assert body["error"]["type"] == "authentication_error"
+    async with stack.http.get(stack.url + "/v1/models", headers=_auth(key)) as resp:
+        assert resp.status == 401
+
+
+async def test_models_with_the_admin_key_lists_live_models(stack: Stack) -> None:
+    async with stack.http.get(stack.url + "/models", headers=_auth(ADMIN_KEY)) as resp:
+        assert resp.status == 200
+        assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+
+
+async def test_unknown_model_is_404_from_the_router(stack: Stack) -> None:
+    key = (await _start(stack))["api_key"]
+    body = _chat_body("hi", stream=False) | {"model": "no-such-model"}
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions", json=body, headers=_auth(key)
+    ) as resp:
+        assert resp.status == 404
+        assert MODEL in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_unreachable_worker_is_avoided_on_a_second_route(
+    stack: Stack, dead_address: str, stream: bool
+) -> None:
+    # "a-dead" sorts before "w-live": the router places a new session on it first.
+    channel = open_channel(stack.router_addr)
+    try:
+        router = router_pb2_grpc.RouterStub(channel)
+        await router.RegisterWorker(
+            router_pb2.RegisterWorkerRequest(
+                worker_id="a-dead", address=dead_address, models=[MODEL]
+            ),
+            timeout=5,
+        )
+        key = (await _start(stack))["api_key"]
+        async with stack.http.post(
+            stack.url + "/v1/chat/completions",
+            json=_chat_body("hi", stream=stream),
+            headers=_auth(key),
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            if stream:
+                assert (await _sse_events(resp))[-1] == b"[DONE]"
+        route = await router.Route(
+            router_pb2.RouteRequest(session=key_digest(key), model=MODEL), timeout=5
+        )
+        assert route.worker_id == "w-live"
+    finally:
+        await channel.close()
+
+
+async def test_chat_when_the_dataproxy_is_unreachable_is_503_with_retry_after(
+    stack: Stack, dead_address: str
+) -> None:
+    key = (await _start(stack))["api_key"]
+    settings = gateway_settings(router_addr=stack.router_addr, dataproxy_addr=dead_address)
+    async with GatewayServer(settings) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        for stream in (False, True):
+            async with stack.http.post(
+                url + "/v1/chat/completions",
+                json=_chat_body("hi", stream=stream),
+                headers=_auth(key),
+            ) as resp:
+                assert resp.status == 503
+                assert resp.content_type == "application/json"
+                assert resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["code"] == "dataproxy_unavailable"
+        async with stack.http.get(url + "/ready") as resp:
+            assert resp.status == 503
+            assert (await resp.json())["missing"] == ["dataproxy"]
