@@ -45,6 +45,7 @@ class Stack:
     """A dataproxy and a worker (over the mock LLM) on port 0, and what tests look at."""
 
     dataproxy: Any
+    dataproxy_server: GrpcServer
     worker_address: str
     mock: MockLLM
     redis: aioredis.Redis
@@ -116,6 +117,7 @@ async def running_stack(
         stack.push_async_callback(redis.aclose)
         yield Stack(
             dataproxy=dataproxy_pb2_grpc.DataProxyStub(channel),
+            dataproxy_server=dataproxy_server,
             worker_address=f"127.0.0.1:{worker_server.port}",
             mock=mock,
             redis=redis,
@@ -371,3 +373,26 @@ async def test_admin_key_cannot_start_a_session(stack: Stack) -> None:
     )
 
     assert err.http_status == 400
+
+
+async def test_graceful_stop_lets_a_running_chat_finish_and_record(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_stack(redis_url, key_prefix, token_interval_ms=20) as stack:
+        _, digest = await stack.start()
+        call = stack.dataproxy.Chat(
+            stack.chat_request(digest, "one two three four five six", stream=True),
+            timeout=RPC_TIMEOUT_S,
+        )
+        first = await call.read()
+        assert first.WhichOneof("kind") == "chunks"
+
+        stopping = asyncio.create_task(stack.dataproxy_server.stop())
+        rest = await collect(call)
+        await stopping
+
+        assert [m.WhichOneof("kind") for m in rest][-2:] == ["chunks", "done"]
+        (turn,) = await stack.turns(digest)
+        assert turn["interaction_id"] == rest[-1].done.interaction_id
+        err = await rpc_error(stack.start())
+        assert err.http_status == 503
