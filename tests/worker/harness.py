@@ -67,8 +67,8 @@ async def mock_and_worker(
     timeout_s: float = 10.0,
 ) -> AsyncIterator[tuple[MockLLM, WorkerUnderTest]]:
     """A fresh mock LLM and a worker in front of it."""
-    async with MockLLM(port=0, token_interval_ms=token_interval_ms, api_key=mock_key) as mock:
-        async with running_worker(
-            mock.base_url, kind=kind, api_key=worker_key, timeout_s=timeout_s
-        ) as worker:
-            yield mock, worker
+    async with (
+        MockLLM(port=0, token_interval_ms=token_interval_ms, api_key=mock_key) as mock,
+        running_worker(mock.base_url, kind=kind, api_key=worker_key, timeout_s=timeout_s) as worker,
+    ):
+        yield mock, worker

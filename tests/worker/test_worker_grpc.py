@@ -71,7 +71,7 @@ async def test_first_chunks_reach_the_client_while_the_upstream_is_still_generat
 
 
 async def test_vllm_turn_record_has_exact_ids_and_one_logprob_per_output_id() -> None:
-    async with mock_and_worker(kind="vllm") as (mock, worker):
+    async with mock_and_worker(kind="vllm") as (_, worker):
         batches, record = await generate(worker.stub, body(LONG_TEXT, stream=True))
     assert record.exact_tokens is True
     assert record.upstream_kind == "vllm"
@@ -305,12 +305,14 @@ async def test_upstream_400_carries_the_upstreams_message() -> None:
 
 
 async def test_upstream_404_names_the_url_and_the_usual_cause() -> None:
-    async with MockLLM(port=0) as mock:
-        # A base URL that points at a path the mock does not serve.
-        async with running_worker(f"http://127.0.0.1:{mock.port}/nothing/v1") as worker:
-            err = await rpc_error(
-                worker.stub.Complete(worker_pb2.GenerateRequest(body_json=body()), timeout=10)
-            )
+    # A base URL that points at a path the mock does not serve.
+    async with (
+        MockLLM(port=0) as mock,
+        running_worker(f"http://127.0.0.1:{mock.port}/nothing/v1") as worker,
+    ):
+        err = await rpc_error(
+            worker.stub.Complete(worker_pb2.GenerateRequest(body_json=body()), timeout=10)
+        )
     error = from_rpc_error(err, hop="worker")
     assert isinstance(error, UpstreamError)
     assert f"127.0.0.1:{mock.port}/nothing/v1/chat/completions" in error.message
