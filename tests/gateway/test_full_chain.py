@@ -41,6 +41,7 @@ class Stack:
     router_addr: str
     dataproxy_addr: str
     prefix: str
+    mock: MockLLM
 
 
 @pytest.fixture
@@ -93,6 +94,7 @@ async def stack(
             router_addr=router_addr,
             dataproxy_addr=dataproxy_addr,
             prefix=key_prefix,
+            mock=mock,
         )
 
 
@@ -291,3 +293,73 @@ async def test_chat_when_the_dataproxy_is_unreachable_is_503_with_retry_after(
         async with stack.http.get(url + "/ready") as resp:
             assert resp.status == 503
             assert (await resp.json())["missing"] == ["dataproxy"]
+
+
+async def _wait_for_disconnects(mock: MockLLM, count: int) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while mock.stats.disconnects < count:
+        assert time.monotonic() < deadline, "the upstream call was never cancelled"
+        await asyncio.sleep(0.02)
+
+
+async def test_upstream_failure_before_the_first_chunk_is_a_json_error(stack: Stack) -> None:
+    key = (await _start(stack))["api_key"]
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions",
+        json=_chat_body("please /fail-500", stream=True),
+        headers=_auth(key),
+    ) as resp:
+        assert resp.status == 502
+        assert resp.content_type == "application/json"
+        assert (await resp.json())["error"]["type"] == "upstream_error"
+
+
+async def test_failure_after_the_first_chunk_ends_the_stream_with_an_error_event(
+    stack: Stack,
+) -> None:
+    key = (await _start(stack))["api_key"]
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions",
+        json=_chat_body("please /fail-midstream", stream=True),
+        headers=_auth(key),
+    ) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        events = await _sse_events(resp)
+    assert b"[DONE]" not in events
+    assert len(events) >= 2
+    assert orjson.loads(events[0])["object"] == "chat.completion.chunk"
+    last = orjson.loads(events[-1])
+    assert set(last) == {"error"}
+    assert set(last["error"]) == {"message", "type", "code"}
+
+
+async def test_client_gone_before_the_first_chunk_cancels_the_upstream_call(stack: Stack) -> None:
+    key = (await _start(stack))["api_key"]
+    before = stack.mock.stats.disconnects
+    with pytest.raises(TimeoutError):
+        async with stack.http.post(
+            stack.url + "/v1/chat/completions",
+            json=_chat_body("please /hang", stream=True),
+            headers=_auth(key),
+            timeout=aiohttp.ClientTimeout(total=0.5),
+        ) as resp:
+            await resp.read()
+    await _wait_for_disconnects(stack.mock, before + 1)
+
+
+async def test_client_gone_mid_stream_cancels_the_upstream_call(stack: Stack) -> None:
+    key = (await _start(stack))["api_key"]
+    before = stack.mock.stats.disconnects
+    stack.mock.token_interval_s = 0.5
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions",
+        json=_chat_body("a long enough question for many tokens", stream=True),
+        headers=_auth(key),
+    ) as resp:
+        assert resp.status == 200
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: {")
+        resp.close()
+    await _wait_for_disconnects(stack.mock, before + 1)
+    assert stack.mock.stats.streams_finished == 0
