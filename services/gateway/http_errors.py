@@ -72,6 +72,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except RollgateError as err:
+        level = log.warning if err.http_status >= 500 else log.info
+        level(
+            "request_failed",
+            path=request.path,
+            status=err.http_status,
+            code=err.code,
+            message=err.message,
+        )
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status < 400:
