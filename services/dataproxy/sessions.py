@@ -60,6 +60,7 @@ class KeyState:
     active: bool
     episode: str
     epoch: int
+    task_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,7 +134,7 @@ class SessionStore:
 
     async def start(self, *, task_id: str, api_key: str) -> StartedSession:
         """A new key with its first episode, or a refresh when `api_key` is a known key."""
-        task_id = task_id.strip() or DEFAULT_TASK_ID
+        task_id = task_id.strip()
         if api_key and self._admin_key and constant_time_equals(api_key, self._admin_key):
             raise InvalidRequest("the admin key cannot be used as a session key")
         if api_key:
@@ -142,7 +143,7 @@ class SessionStore:
                 return await self._refresh(api_key, digest, task_id)
             # AReaL behaviour: a key never issued here is not honoured; mint a new one.
             log.info("unknown_key_replaced", task_id=task_id)
-        return await self._start_new(task_id)
+        return await self._start_new(task_id or DEFAULT_TASK_ID)
 
     async def _start_new(self, task_id: str) -> StartedSession:
         api_key = new_session_key()
@@ -154,6 +155,7 @@ class SessionStore:
         )
 
     async def _refresh(self, api_key: str, digest: str, task_id: str) -> StartedSession:
+        """Ends the key's active episode (if any) and binds the next; no task_id: the key's."""
         marker = self._keys.refreshing(digest)
         token = secrets.token_hex(8)
         lock_s = max(1, math.ceil(self._refresh_lock_s))
@@ -164,6 +166,7 @@ class SessionStore:
             ended: Publication | None = None
             if key is not None and key.active:
                 ended = await self.publish(key, end_reason="refresh")
+            task_id = task_id or (key.task_id if key else "") or DEFAULT_TASK_ID
             session_id = await self._bind(digest, task_id, mode="next")
         finally:
             await self._scripts.release_marker.run(self._redis, [marker], [token])
@@ -393,9 +396,9 @@ class SessionStore:
 
     async def _read_key(self, digest: str) -> KeyState | None:
         fields: list[Any] = await self._redis.hmget(
-            self._keys.key(digest), "key_id", "state", "episode", "epoch"
+            self._keys.key(digest), "key_id", "state", "episode", "epoch", "task_id"
         )
-        key_id, state, episode, epoch = fields
+        key_id, state, episode, epoch, task_id = fields
         if key_id is None:
             return None
         return KeyState(
@@ -404,4 +407,5 @@ class SessionStore:
             active=state == b"active",
             episode=_text(episode),
             epoch=int(epoch or 0),
+            task_id=_text(task_id),
         )

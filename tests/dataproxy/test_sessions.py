@@ -132,6 +132,16 @@ async def test_session_ids_count_up_per_task(store: SessionStore) -> None:
     assert int(n2) == int(n1) + 1
 
 
+async def test_refresh_without_a_task_id_keeps_the_keys_task(store: SessionStore) -> None:
+    first = await store.start(task_id="math", api_key="")
+
+    same_task = await store.start(task_id="", api_key=first.api_key)
+    other_task = await store.start(task_id="code", api_key=first.api_key)
+
+    assert same_task.session_id.startswith("math-")
+    assert other_task.session_id.startswith("code-")
+
+
 async def test_unknown_api_key_is_replaced_by_a_new_key(store: SessionStore) -> None:
     made_up = "sk-sess-" + "x" * 43
 
