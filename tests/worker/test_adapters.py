@@ -1,0 +1,411 @@
+"""The adapters, the SSE parser, the upstream request and the error mapping, without I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from services.runtime.errors import InvalidRequest, TooManyRequests, UpstreamError
+from services.worker.adapters import adapter_for
+from services.worker.settings import normalize_base_url
+from services.worker.turn import (
+    ClientAsk,
+    TurnAccumulator,
+    TurnTiming,
+    client_chunk,
+    client_completion,
+)
+from services.worker.upstream import (
+    SseParser,
+    build_upstream_request,
+    error_for_status,
+    parse_client_body,
+)
+
+TIMING = TurnTiming(started_at_unix_s=1_700_000_000.0, latency_s=1.5, ttft_s=0.25)
+HEAD = {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1, "model": "qwen"}
+
+
+def lp(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+def chunk(
+    delta: dict[str, Any],
+    *,
+    logprobs: list[dict[str, Any]] | None = None,
+    finish: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
+        "finish_reason": finish,
+    }
+    choice.update(extra.pop("choice", {}))
+    return {**HEAD, "choices": [choice], "usage": None, **extra}
+
+
+# What vLLM streams with return_token_ids and logprobs: prompt ids on the first chunk, the ids
+# of each delta on its chunk, one chunk with two tokens, a special token with empty text.
+VLLM_STREAM = [
+    chunk(
+        {"role": "assistant", "content": ""}, prompt_token_ids=[1, 2, 3], choice={"token_ids": []}
+    ),
+    chunk({"content": "Hel"}, logprobs=[lp("Hel", -0.1)], choice={"token_ids": [10]}),
+    chunk(
+        {"content": "lo wor"},
+        logprobs=[lp("lo", -0.2), lp(" wor", -0.3)],
+        choice={"token_ids": [11, 12]},
+    ),
+    chunk({"content": ""}, logprobs=[lp("", -0.4)], choice={"token_ids": [13]}),
+    chunk({"content": "ld"}, logprobs=[lp("ld", -0.5)], choice={"token_ids": [14]}),
+    chunk({}, finish="stop", choice={"token_ids": []}),
+    {
+        **HEAD,
+        "choices": [],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    },
+]
+
+# What a hosted OpenAI-compatible API streams: logprobs, no ids, a tool call in fragments.
+OPENAI_TOOL_STREAM = [
+    chunk({"role": "assistant", "content": None}),
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": ""},
+                }
+            ]
+        },
+        logprobs=[lp("<tc>", -0.01)],
+    ),
+    chunk(
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"q":'}}]},
+        logprobs=[lp('{"q":', -0.02)],
+    ),
+    chunk(
+        {"tool_calls": [{"index": 0, "function": {"arguments": ' "x"}'}}]},
+        logprobs=[lp(' "x"}', -0.03)],
+    ),
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "open", "arguments": "{}"},
+                }
+            ]
+        },
+        logprobs=[lp("{}", -0.04)],
+    ),
+    chunk({}, finish="tool_calls"),
+    {
+        **HEAD,
+        "choices": None,
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
+    },
+]
+
+REASONING_STREAM = [
+    chunk({"role": "assistant", "content": ""}),
+    chunk({"reasoning_content": "Think"}, logprobs=[lp("Think", -1.0)]),
+    chunk({"reasoning": " more"}, logprobs=[lp(" more", -1.1)]),
+    chunk({"content": "Answer"}, logprobs=[lp("Answer", -0.9)]),
+    chunk({}, finish="stop"),
+]
+
+
+def run(kind: str, chunks: list[dict[str, Any]]) -> Any:
+    adapter = adapter_for(kind)
+    acc = TurnAccumulator()
+    for c in chunks:
+        adapter.read_chunk(orjson.loads(orjson.dumps(c)), acc)
+    return acc.result(kind=adapter.kind, request_json=b'{"messages":[]}', timing=TIMING)
+
+
+def test_vllm_stream_gives_exact_ids_and_logprobs_including_multi_token_and_empty_tokens() -> None:
+    record = run("vllm", VLLM_STREAM)
+    assert record.prompt_token_ids == [1, 2, 3]
+    assert record.output_token_ids == [10, 11, 12, 13, 14]
+    assert record.output_logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert record.exact_tokens is True
+    assert record.length_mismatch is False
+    assert record.finish_reason == "stop"
+    assert record.interaction_id == "chatcmpl-abc"
+    assert record.upstream_model == "qwen"
+    assert record.upstream_kind == "vllm"
+    assert orjson.loads(record.assistant_message_json) == {
+        "role": "assistant",
+        "content": "Hello world",
+    }
+    assert orjson.loads(record.usage_json)["total_tokens"] == 8
+    assert (record.latency_s, record.ttft_s) == (1.5, 0.25)
+
+
+def test_vllm_prompt_ids_on_the_choice_are_read_too() -> None:
+    stream = [
+        chunk(
+            {"content": "a"},
+            logprobs=[lp("a", -0.1)],
+            choice={"prompt_token_ids": [7, 8], "token_ids": [5]},
+        ),
+        chunk({}, finish="stop"),
+    ]
+    record = run("vllm", stream)
+    assert record.prompt_token_ids == [7, 8]
+    assert record.output_token_ids == [5]
+
+
+def test_a_logprob_count_that_differs_from_the_ids_is_flagged_not_padded() -> None:
+    stream = [
+        chunk({"content": "ab"}, logprobs=[lp("ab", -0.1)], choice={"token_ids": [1, 2]}),
+        chunk({}, finish="stop"),
+    ]
+    record = run("vllm", stream)
+    assert record.length_mismatch is True
+    assert record.output_token_ids == [1, 2]
+    assert record.output_logprobs == [-0.1]
+
+
+def test_openai_adapter_ignores_ids_and_is_never_exact() -> None:
+    record = run("openai", VLLM_STREAM)
+    assert record.exact_tokens is False
+    assert record.output_token_ids == []
+    assert record.prompt_token_ids == []
+    assert record.length_mismatch is False
+    assert len(record.output_logprobs) == 5
+
+
+def test_tool_call_fragments_are_joined_by_index() -> None:
+    record = run("openai", OPENAI_TOOL_STREAM)
+    message = orjson.loads(record.assistant_message_json)
+    assert message == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "search", "arguments": '{"q": "x"}'},
+            },
+            {"id": "call_2", "type": "function", "function": {"name": "open", "arguments": "{}"}},
+        ],
+    }
+    assert record.finish_reason == "tool_calls"
+    assert record.output_logprobs == [-0.01, -0.02, -0.03, -0.04]
+    assert orjson.loads(record.usage_json)["total_tokens"] == 13
+
+
+def test_reasoning_deltas_under_either_name_are_recorded_apart_from_content() -> None:
+    record = run("vllm", REASONING_STREAM)
+    message = orjson.loads(record.assistant_message_json)
+    assert message == {"role": "assistant", "content": "Answer", "reasoning_content": "Think more"}
+    assert record.exact_tokens is False  # no ids came: the upstream did not give them
+    assert orjson.loads(record.usage_json) == {}
+
+
+def test_non_streaming_vllm_completion() -> None:
+    body = {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "model": "qwen",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hi", "reasoning": "hm"},
+                "logprobs": {"content": [lp("H", -0.5), lp("i", -0.6)]},
+                "finish_reason": "length",
+                "token_ids": [4, 5],
+            }
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+        "prompt_token_ids": [1, 2],
+    }
+    adapter = adapter_for("vllm")
+    acc = TurnAccumulator()
+    adapter.read_completion(body, acc)
+    record = acc.result(kind="vllm", request_json=b"{}", timing=TIMING)
+    assert record.output_token_ids == [4, 5]
+    assert record.prompt_token_ids == [1, 2]
+    assert record.output_logprobs == [-0.5, -0.6]
+    assert record.exact_tokens and not record.length_mismatch
+    assert record.finish_reason == "length"
+    assert orjson.loads(record.assistant_message_json) == {
+        "role": "assistant",
+        "content": "Hi",
+        "reasoning_content": "hm",
+    }
+
+
+def test_only_choice_zero_is_recorded() -> None:
+    two = {
+        **HEAD,
+        "choices": [
+            {"index": 1, "delta": {"content": "other"}, "logprobs": {"content": [lp("o", -2.0)]}},
+            {"index": 0, "delta": {"content": "mine"}, "logprobs": {"content": [lp("m", -1.0)]}},
+        ],
+    }
+    record = run("openai", [two, chunk({}, finish="stop")])
+    assert orjson.loads(record.assistant_message_json)["content"] == "mine"
+    assert record.output_logprobs == [-1.0]
+
+
+NOTHING = ClientAsk(logprobs=False, token_ids=False, usage=False)
+EVERYTHING = ClientAsk(logprobs=True, token_ids=True, usage=True)
+
+
+def test_client_chunk_strips_what_the_client_did_not_ask_for() -> None:
+    first = orjson.loads(orjson.dumps(VLLM_STREAM[1]))
+    first["prompt_token_ids"] = [1]
+    view = client_chunk(first, NOTHING)
+    assert view is not None
+    assert "prompt_token_ids" not in view
+    assert view["choices"][0]["logprobs"] is None
+    assert "token_ids" not in view["choices"][0]
+    assert view["choices"][0]["delta"] == {"content": "Hel"}
+    assert client_chunk(orjson.loads(orjson.dumps(VLLM_STREAM[-1])), NOTHING) is None
+    assert client_chunk(orjson.loads(orjson.dumps(OPENAI_TOOL_STREAM[-1])), NOTHING) is None
+
+
+def test_client_chunk_keeps_everything_asked_for() -> None:
+    original = orjson.loads(orjson.dumps(VLLM_STREAM[2]))
+    assert client_chunk(orjson.loads(orjson.dumps(original)), EVERYTHING) == original
+    usage = orjson.loads(orjson.dumps(VLLM_STREAM[-1]))
+    assert client_chunk(usage, EVERYTHING) == VLLM_STREAM[-1]
+
+
+def test_client_completion_strips_ids_and_logprobs() -> None:
+    body = {
+        "id": "x",
+        "prompt_token_ids": [1],
+        "choices": [
+            {"index": 0, "message": {"content": "a"}, "logprobs": {"content": []}, "token_ids": [2]}
+        ],
+    }
+    assert client_completion(body, NOTHING) == {
+        "id": "x",
+        "choices": [{"index": 0, "message": {"content": "a"}, "logprobs": None}],
+    }
+
+
+def test_sse_parser_handles_split_reads_crlf_comments_and_several_events_per_read() -> None:
+    parser = SseParser()
+    assert parser.feed(b'data: {"a":') == []
+    assert parser.feed(b'1}\n\n: keep-alive\n\ndata: {"b":2}\r\n\r\ndata: [DO') == [
+        b'{"a":1}',
+        b'{"b":2}',
+    ]
+    assert parser.feed(b"NE]\n\n") == [b"[DONE]"]
+    assert parser.feed(b"data: tail") == []
+    assert parser.close() == [b"tail"]
+
+
+def test_upstream_request_strips_the_denylist_and_forces_logprobs() -> None:
+    client = parse_client_body(
+        orjson.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"t": 1}],
+                "store": False,
+                "session_id": "s",
+                "api_key": "sk",
+                "base_url": "http://evil",
+                "extra_headers": {"X": "1"},
+                "metadata": {"a": 1},
+                "prompt_cache_key": "k",
+                "top_logprobs": 3,
+                "temperature": 0.2,
+            }
+        )
+    )
+    request = build_upstream_request(client, stream=True, prepare=adapter_for("vllm").prepare)
+    sent = orjson.loads(request.body)
+    assert sent == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"t": 1}],
+        "temperature": 0.2,
+        "logprobs": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    assert orjson.loads(request.request_json) == {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"t": 1}],
+    }
+    assert request.ask == NOTHING
+
+
+def test_upstream_request_keeps_top_logprobs_when_the_client_asked_for_logprobs() -> None:
+    client = parse_client_body(
+        orjson.dumps(
+            {
+                "messages": [],
+                "logprobs": True,
+                "top_logprobs": 3,
+                "stream_options": {"include_usage": True},
+            }
+        )
+    )
+    request = build_upstream_request(client, stream=False, prepare=adapter_for("openai").prepare)
+    sent = orjson.loads(request.body)
+    assert sent == {"messages": [], "logprobs": True, "top_logprobs": 3, "stream": False}
+    assert request.ask == ClientAsk(logprobs=True, token_ids=False, usage=True)
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[]", b'{"model": "m"}'])
+def test_a_body_that_is_not_a_chat_request_is_invalid(raw: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_client_body(raw)
+
+
+def headers(**values: str) -> CIMultiDictProxy[str]:
+    return CIMultiDictProxy(CIMultiDict(values))
+
+
+def test_error_mapping() -> None:
+    url = "http://up/v1/chat/completions"
+    body = orjson.dumps({"error": {"message": "model 'x' does not exist"}})
+    auth = error_for_status(401, body, headers(), url=url)
+    assert isinstance(auth, UpstreamError) and "ROLLGATE_UPSTREAM_API_KEY" in auth.message
+    assert isinstance(error_for_status(403, b"", headers(), url=url), UpstreamError)
+    missing = error_for_status(404, body, headers(), url=url)
+    assert isinstance(missing, UpstreamError) and url in missing.message
+    limited = error_for_status(429, body, headers(**{"Retry-After": "7"}), url=url)
+    assert isinstance(limited, TooManyRequests) and limited.retry_after_s == 7.0
+    bad = error_for_status(400, body, headers(), url=url)
+    assert isinstance(bad, InvalidRequest) and "model 'x' does not exist" in bad.message
+    assert isinstance(error_for_status(503, b"<html>", headers(), url=url), UpstreamError)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("http://h:8000", "http://h:8000/v1"),
+        ("http://h:8000/v1/", "http://h:8000/v1"),
+        ("https://api.example.com/openai/v1", "https://api.example.com/openai/v1"),
+    ],
+)
+def test_base_url_gets_v1_once(raw: str, expected: str) -> None:
+    assert normalize_base_url(raw) == expected
+
+
+@pytest.mark.parametrize(
+    "raw", ["h:8000", "http://h/v1?x=1", "http://h/v1/v1", "http://h/v1/chat/completions"]
+)
+def test_bad_base_urls_are_refused(raw: str) -> None:
+    with pytest.raises(ValueError):
+        normalize_base_url(raw)
