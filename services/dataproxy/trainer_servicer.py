@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from protos import trainer_pb2, trainer_pb2_grpc
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_auth import TrainerAuth
-from services.dataproxy.trajectory import TrajectoryStream
+from services.dataproxy.trajectory import StreamEntry, TrajectoryStream
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable, abort_with
+from services.runtime.logs import get_logger
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+log = get_logger(__name__)
 
 _SHUTTING_DOWN = "the dataproxy is shutting down; pull again (another replica will serve you)"
 
@@ -45,11 +50,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> AsyncIterator[trainer_pb2.TrajectoryMessage]:
         """Streams trajectories to one consumer of a group until a limit or cancellation."""
         await self._authorize(context)
-        if self._stopping.is_set():
-            await abort_with(context, Unavailable(_SHUTTING_DOWN, retry_after_s=1.0))
-        if not request.group or not request.consumer:
-            await abort_with(context, InvalidRequest("group and consumer are required"))
-        try:
+        await self._check_pull(request, context)
+        async with _redis_errors(context):
             async for entry in self._stream.pull(
                 request.group,
                 request.consumer,
@@ -57,14 +59,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 idle_timeout_s=request.idle_timeout_s,
                 stopping=self._stopping,
             ):
-                yield trainer_pb2.TrajectoryMessage(
-                    stream_id=entry.stream_id,
-                    trajectory_id=entry.trajectory_id,
-                    data=entry.data,
-                    codec=entry.codec,
-                )
-        except RollgateError as err:
-            await abort_with(context, err)
+                yield _message(entry)
         if self._stopping.is_set():
             await abort_with(context, Unavailable(_SHUTTING_DOWN, retry_after_s=1.0))
 
@@ -75,7 +70,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         await self._authorize(context)
         if not request.group:
             await abort_with(context, InvalidRequest("group is required"))
-        acked = await self._stream.ack(request.group, list(request.stream_ids))
+        async with _redis_errors(context):
+            acked = await self._stream.ack(request.group, list(request.stream_ids))
         return trainer_pb2.AckResponse(acked=acked)
 
     async def SetWeightVersion(
@@ -83,10 +79,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.SetWeightVersionResponse:
         """Stamps later tokens with this weight version (never lower than the current one)."""
         await self._authorize(context)
-        try:
+        async with _redis_errors(context):
             version = await self._stream.set_weight_version(request.version)
-        except RollgateError as err:
-            await abort_with(context, err)
         return trainer_pb2.SetWeightVersionResponse(version=version)
 
     async def GetStats(
@@ -94,7 +88,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.GetStatsResponse:
         """Counters: published, consumed, pending, empty episodes, weight version."""
         await self._authorize(context)
-        stats = await self._stream.stats()
+        async with _redis_errors(context):
+            stats = await self._stream.stats()
         return trainer_pb2.GetStatsResponse(
             open_episodes=stats.open_episodes,
             published=stats.published,
@@ -104,8 +99,44 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             empty_episodes=stats.empty_episodes,
         )
 
+    async def _check_pull(
+        self, request: trainer_pb2.PullTrajectoriesRequest, context: Context
+    ) -> None:
+        if self._stopping.is_set():
+            await abort_with(context, Unavailable(_SHUTTING_DOWN, retry_after_s=1.0))
+        if not request.group or not request.consumer:
+            await abort_with(context, InvalidRequest("group and consumer are required"))
+
     async def _authorize(self, context: Context) -> None:
         try:
             self._auth.check(context.invocation_metadata())
         except RollgateError as err:
             await abort_with(context, err)
+
+
+def _message(entry: StreamEntry) -> trainer_pb2.TrajectoryMessage:
+    return trainer_pb2.TrajectoryMessage(
+        stream_id=entry.stream_id,
+        trajectory_id=entry.trajectory_id,
+        data=entry.data,
+        codec=entry.codec,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _redis_errors(context: Context) -> AsyncIterator[None]:
+    """Rollgate errors go out as they are; Redis failures as UNAVAILABLE with a retry hint."""
+    try:
+        yield
+    except RollgateError as err:
+        await abort_with(context, err)
+    except (RedisError, TimeoutError) as err:
+        log.warning("trainer_redis_error", error=type(err).__name__, detail=str(err))
+        await abort_with(
+            context,
+            Unavailable(
+                f"the dataproxy cannot reach Redis ({type(err).__name__}); retry shortly",
+                code="redis_unavailable",
+                retry_after_s=1.0,
+            ),
+        )

@@ -89,11 +89,12 @@ StackFactory = Callable[..., Awaitable[Stack]]
 async def make_stack(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIterator[StackFactory]:
     servers: list[tuple[GrpcServer, TrainerServicer]] = []
 
-    async def make(*, reclaim_idle_s: float = 60.0) -> Stack:
+    async def make(*, reclaim_idle_s: float = 60.0, redis: aioredis.Redis | None = None) -> Stack:
+        redis = redis or redis_client
         keys = RedisKeys(prefix=key_prefix)
         settings = DataProxySettings(admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY)
         servicer = TrainerServicer(
-            redis=redis_client, keys=keys, settings=settings, reclaim_idle_s=reclaim_idle_s
+            redis=redis, keys=keys, settings=settings, reclaim_idle_s=reclaim_idle_s
         )
         server = GrpcServer(
             ServerSpec(
@@ -107,7 +108,7 @@ async def make_stack(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIter
         trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
         await server.__aenter__()
         servers.append((server, servicer))
-        return Stack(f"127.0.0.1:{server.port}", servicer, keys, redis_client)
+        return Stack(f"127.0.0.1:{server.port}", servicer, keys, redis)
 
     yield make
     for server, servicer in servers:
@@ -351,6 +352,21 @@ async def test_closing_the_servicer_ends_open_pulls(stack: Stack) -> None:
             await asyncio.wait_for(task, 10)
 
     assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_an_unreachable_redis_is_reported_as_unavailable(make_stack: StackFactory) -> None:
+    dead = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)
+    stack = await make_stack(redis=dead)
+    async with stack.client() as tc:
+        with pytest.raises(TrainerError) as on_stats:
+            await tc.stats()
+        with pytest.raises(TrainerError) as on_pull:
+            await collect(tc, "ppo", "c0", max_count=1)
+    await dead.aclose()
+
+    for caught in (on_stats, on_pull):
+        assert caught.value.status == grpc.StatusCode.UNAVAILABLE
+        assert caught.value.code == "redis_unavailable"
 
 
 async def wait_for_group(stack: Stack, group: str) -> None:
