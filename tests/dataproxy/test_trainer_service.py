@@ -354,6 +354,23 @@ async def test_closing_the_servicer_ends_open_pulls(stack: Stack) -> None:
     assert caught.value.status == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_pending_entries_trimmed_from_the_stream_are_skipped_and_acked(
+    stack: Stack,
+) -> None:
+    gone = await stack.publish("gone")
+    async with stack.client() as tc:
+        await collect(tc, "ppo", "a", max_count=1)
+    await stack.redis.xdel(stack.keys.trajectories, gone)
+    await stack.publish("kept")
+
+    async with stack.client() as fresh:
+        again = await collect(fresh, "ppo", "a", idle_s=0.5)
+
+    assert [p.trajectory.trajectory_id for p in again] == ["kept"]
+    summary = await stack.redis.xpending(stack.keys.trajectories, "ppo")
+    assert summary["pending"] == 1
+
+
 async def test_an_unreachable_redis_is_reported_as_unavailable(make_stack: StackFactory) -> None:
     dead = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)
     stack = await make_stack(redis=dead)
