@@ -121,6 +121,7 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.services: dict[str, ServiceProcess] = {}
         self.mock_url: str | None = None
+        self._ports_taken = {config.gateway_port}
 
     @property
     def gateway_url(self) -> str:
@@ -180,7 +181,7 @@ class Stack:
             self.redis = RedisServer(appendonly=True, data_dir=str(self._redis_dir())).start()
             self.redis_url = self.redis.url
         if cfg.upstream_base_url is None:
-            port = free_port()
+            port = self._free_port()
             self._add(
                 "mock-llm", "http", ["rollgate.mock_llm"], port,
             )  # fmt: skip
@@ -190,7 +191,7 @@ class Stack:
             ]  # fmt: skip
             self.mock_url = f"http://{cfg.host}:{port}/v1"
             self._launch("mock-llm")
-        router_port, dataproxy_port = free_port(), free_port()
+        router_port, dataproxy_port = self._free_port(), self._free_port()
         self._add("router", "router", ["services.router"], router_port)
         self._add("dataproxy", "dataproxy", ["services.dataproxy"], dataproxy_port)
         self._launch("router", "dataproxy")
@@ -205,7 +206,7 @@ class Stack:
             upstream["ROLLGATE_UPSTREAM_MODELS"] = cfg.upstream_models
         workers = [f"worker-{i + 1}" for i in range(cfg.workers)]
         for name in workers:
-            port = free_port()
+            port = self._free_port()
             self._add(
                 name, "worker", ["services.worker"], port,
                 ROLLGATE_WORKER_ID=name, ROLLGATE_WORKER_ADVERTISE=f"{cfg.host}:{port}", **upstream,
@@ -218,6 +219,13 @@ class Stack:
         )  # fmt: skip
         self._launch("gateway")
         self._write_state_file()
+
+    def _free_port(self) -> int:
+        # The OS may hand out a port twice before anything binds it: never reuse one here.
+        while (port := free_port()) in self._ports_taken:
+            pass
+        self._ports_taken.add(port)
+        return port
 
     def _redis_dir(self) -> Path:
         path = self.state_dir / "redis"
