@@ -11,10 +11,23 @@ import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.errors import RollgateError, abort_with
+from services.runtime.logs import get_logger
 from services.worker.turn import TurnResult
 from services.worker.turns import TurnRunner
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+log = get_logger(__name__)
+
+
+def _log_failure(request: worker_pb2.GenerateRequest, err: RollgateError) -> None:
+    log.warning(
+        "turn_failed",
+        request_id=request.request_id,
+        error=type(err).__name__,
+        code=err.code,
+        message=err.message,
+    )
 
 
 def turn_record(result: TurnResult) -> common_pb2.TurnRecord:
@@ -50,6 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             chunks=worker_pb2.ChunkBatch(chunks=event)
                         )
         except RollgateError as err:
+            _log_failure(request, err)
             await abort_with(context, err)
 
     async def Complete(
@@ -58,6 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             turn = await self._runner.complete(request.body_json, budget_s=self._budget_s(context))
         except RollgateError as err:
+            _log_failure(request, err)
             await abort_with(context, err)
         return worker_pb2.CompleteResponse(
             body_json=turn.body_json, record=turn_record(turn.record)
