@@ -105,6 +105,11 @@ class Registration:
                 )
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, _BACKOFF_MAX_S)
+            except Exception:
+                # A bug here must not leave a serving worker silently unregistered: log, retry.
+                log.exception("registration_loop_error", worker_id=self.worker_id)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, _BACKOFF_MAX_S)
 
     async def _deregister(self) -> None:
         try:
