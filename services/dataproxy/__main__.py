@@ -62,7 +62,6 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         trainer = TrainerServicer(
             redis=redis, keys=RedisKeys(settings.redis_prefix), settings=settings
         )
-        stack.push_async_callback(trainer.close)
         server = GrpcServer(
             ServerSpec(
                 name="dataproxy",
@@ -78,6 +77,8 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
         # Entered last, so it stops first: in-flight turns drain while Redis and channels live.
         await stack.enter_async_context(server)
+        # Runs before the server stops: open trainer pulls end now instead of holding the grace.
+        stack.push_async_callback(trainer.close)
         await server.set_serving()
         yield server
 
