@@ -24,22 +24,48 @@ class StartSessionRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     API_KEY_FIELD_NUMBER: _builtins.int
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     api_key: _builtins.str
     """A key to refresh; empty for a new key."""
+    group_size: _builtins.int
+    """> 1: start this many episodes of one task under one group id (one new key each)."""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         api_key: _builtins.str = ...,
+        group_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "group_size", b"group_size", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StartSessionRequest: _TypeAlias = StartSessionRequest  # noqa: Y015
+
+@_typing.final
+class GroupMember(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    API_KEY_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    api_key: _builtins.str
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        api_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupMember: _TypeAlias = GroupMember  # noqa: Y015
 
 @_typing.final
 class StartSessionResponse(_message.Message):
@@ -49,12 +75,18 @@ class StartSessionResponse(_message.Message):
     API_KEY_FIELD_NUMBER: _builtins.int
     REFRESHED_FIELD_NUMBER: _builtins.int
     ENDED_TRAJECTORY_ID_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     api_key: _builtins.str
     refreshed: _builtins.bool
     """True when an earlier episode of this key was ended by this call."""
     ended_trajectory_id: _builtins.str
     """Trajectory id of the episode the refresh ended (empty when it was empty or none)."""
+    group_id: _builtins.str
+    """Set when group_size > 1: the group id and every member (the first is also above)."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupMember]: ...
     def __init__(
         self,
         *,
@@ -62,10 +94,12 @@ class StartSessionResponse(_message.Message):
         api_key: _builtins.str = ...,
         refreshed: _builtins.bool = ...,
         ended_trajectory_id: _builtins.str = ...,
+        group_id: _builtins.str = ...,
+        members: _abc.Iterable[Global___GroupMember] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "ended_trajectory_id", b"ended_trajectory_id", "refreshed", b"refreshed", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "ended_trajectory_id", b"ended_trajectory_id", "group_id", b"group_id", "members", b"members", "refreshed", b"refreshed", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

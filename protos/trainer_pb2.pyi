@@ -28,6 +28,7 @@ class PullTrajectoriesRequest(_message.Message):
     CONSUMER_FIELD_NUMBER: _builtins.int
     MAX_COUNT_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    COMPLETE_GROUPS_ONLY_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Consumer group name (created on first use, from the start of the stream)."""
     consumer: _builtins.str
@@ -36,6 +37,8 @@ class PullTrajectoriesRequest(_message.Message):
     """Stop after this many trajectories (0: no limit)."""
     idle_timeout_s: _builtins.float
     """Stop when nothing new arrived for this long (0: wait until cancelled)."""
+    complete_groups_only: _builtins.bool
+    """Deliver an episode group only once all of its members are published."""
     def __init__(
         self,
         *,
@@ -43,10 +46,11 @@ class PullTrajectoriesRequest(_message.Message):
         consumer: _builtins.str = ...,
         max_count: _builtins.int = ...,
         idle_timeout_s: _builtins.float = ...,
+        complete_groups_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer", b"consumer", "group", b"group", "idle_timeout_s", b"idle_timeout_s", "max_count", b"max_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_groups_only", b"complete_groups_only", "consumer", b"consumer", "group", b"group", "idle_timeout_s", b"idle_timeout_s", "max_count", b"max_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -60,11 +64,16 @@ class TrajectoryMessage(_message.Message):
     TRAJECTORY_ID_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.str
     trajectory_id: _builtins.str
     data: _builtins.bytes
     """The trajectory, encoded as `codec` says (see docs/trajectory-schema.md)."""
     codec: _builtins.str
+    group_id: _builtins.str
+    """Episode group (GRPO over whole episodes); empty when the episode has none."""
+    group_size: _builtins.int
     def __init__(
         self,
         *,
@@ -72,10 +81,12 @@ class TrajectoryMessage(_message.Message):
         trajectory_id: _builtins.str = ...,
         data: _builtins.bytes = ...,
         codec: _builtins.str = ...,
+        group_id: _builtins.str = ...,
+        group_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "data", b"data", "stream_id", b"stream_id", "trajectory_id", b"trajectory_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "data", b"data", "group_id", b"group_id", "group_size", b"group_size", "stream_id", b"stream_id", "trajectory_id", b"trajectory_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -186,12 +197,22 @@ class GetStatsResponse(_message.Message):
     PENDING_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     EMPTY_EPISODES_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    JOIN_RATE_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
     open_episodes: _builtins.int
     published: _builtins.int
     consumed: _builtins.int
     pending: _builtins.int
     weight_version: _builtins.int
     empty_episodes: _builtins.int
+    capacity: _builtins.int
+    """Episodes that may still start (-1: unlimited)."""
+    paused: _builtins.bool
+    join_rate: _builtins.float
+    """Share of interactions whose parent was found (token ids or messages extend it)."""
+    in_flight: _builtins.int
     def __init__(
         self,
         *,
@@ -201,11 +222,127 @@ class GetStatsResponse(_message.Message):
         pending: _builtins.int = ...,
         weight_version: _builtins.int = ...,
         empty_episodes: _builtins.int = ...,
+        capacity: _builtins.int = ...,
+        paused: _builtins.bool = ...,
+        join_rate: _builtins.float = ...,
+        in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "empty_episodes", b"empty_episodes", "open_episodes", b"open_episodes", "pending", b"pending", "published", b"published", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "consumed", b"consumed", "empty_episodes", b"empty_episodes", "in_flight", b"in_flight", "join_rate", b"join_rate", "open_episodes", b"open_episodes", "paused", b"paused", "pending", b"pending", "published", b"published", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class PauseSubmissionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    timeout_s: _builtins.float
+    """How long to wait for the turns already running to finish."""
+    def __init__(
+        self,
+        *,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseSubmissionRequest: _TypeAlias = PauseSubmissionRequest  # noqa: Y015
+
+@_typing.final
+class PauseSubmissionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAINED_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    drained: _builtins.bool
+    """True when no turn was still running when it returned."""
+    in_flight: _builtins.int
+    def __init__(
+        self,
+        *,
+        drained: _builtins.bool = ...,
+        in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "in_flight", b"in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseSubmissionResponse: _TypeAlias = PauseSubmissionResponse  # noqa: Y015
+
+@_typing.final
+class ResumeSubmissionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSubmissionRequest: _TypeAlias = ResumeSubmissionRequest  # noqa: Y015
+
+@_typing.final
+class ResumeSubmissionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSubmissionResponse: _TypeAlias = ResumeSubmissionResponse  # noqa: Y015
+
+@_typing.final
+class GrantCapacityRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODES_FIELD_NUMBER: _builtins.int
+    episodes: _builtins.int
+    def __init__(
+        self,
+        *,
+        episodes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes", b"episodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantCapacityRequest: _TypeAlias = GrantCapacityRequest  # noqa: Y015
+
+@_typing.final
+class GrantCapacityResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    capacity: _builtins.int
+    """Episodes that may start now (-1: unlimited)."""
+    def __init__(
+        self,
+        *,
+        capacity: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantCapacityResponse: _TypeAlias = GrantCapacityResponse  # noqa: Y015

@@ -54,6 +54,21 @@ class TrainerStub:
                 request_serializer=protos_dot_trainer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_trainer__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.PauseSubmission = channel.unary_unary(
+                '/rollgate.v1.Trainer/PauseSubmission',
+                request_serializer=protos_dot_trainer__pb2.PauseSubmissionRequest.SerializeToString,
+                response_deserializer=protos_dot_trainer__pb2.PauseSubmissionResponse.FromString,
+                _registered_method=True)
+        self.ResumeSubmission = channel.unary_unary(
+                '/rollgate.v1.Trainer/ResumeSubmission',
+                request_serializer=protos_dot_trainer__pb2.ResumeSubmissionRequest.SerializeToString,
+                response_deserializer=protos_dot_trainer__pb2.ResumeSubmissionResponse.FromString,
+                _registered_method=True)
+        self.GrantCapacity = channel.unary_unary(
+                '/rollgate.v1.Trainer/GrantCapacity',
+                request_serializer=protos_dot_trainer__pb2.GrantCapacityRequest.SerializeToString,
+                response_deserializer=protos_dot_trainer__pb2.GrantCapacityResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -84,6 +99,27 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseSubmission(self, request, context):
+        """New turns wait (then 503); returns once the turns already running have finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeSubmission(self, request, context):
+        """Releases the waiting turns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GrantCapacity(self, request, context):
+        """Adds capacity for n more episodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +142,21 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_trainer__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_trainer__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'PauseSubmission': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseSubmission,
+                    request_deserializer=protos_dot_trainer__pb2.PauseSubmissionRequest.FromString,
+                    response_serializer=protos_dot_trainer__pb2.PauseSubmissionResponse.SerializeToString,
+            ),
+            'ResumeSubmission': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSubmission,
+                    request_deserializer=protos_dot_trainer__pb2.ResumeSubmissionRequest.FromString,
+                    response_serializer=protos_dot_trainer__pb2.ResumeSubmissionResponse.SerializeToString,
+            ),
+            'GrantCapacity': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantCapacity,
+                    request_deserializer=protos_dot_trainer__pb2.GrantCapacityRequest.FromString,
+                    response_serializer=protos_dot_trainer__pb2.GrantCapacityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +267,87 @@ class Trainer:
             '/rollgate.v1.Trainer/GetStats',
             protos_dot_trainer__pb2.GetStatsRequest.SerializeToString,
             protos_dot_trainer__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseSubmission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.Trainer/PauseSubmission',
+            protos_dot_trainer__pb2.PauseSubmissionRequest.SerializeToString,
+            protos_dot_trainer__pb2.PauseSubmissionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSubmission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.Trainer/ResumeSubmission',
+            protos_dot_trainer__pb2.ResumeSubmissionRequest.SerializeToString,
+            protos_dot_trainer__pb2.ResumeSubmissionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantCapacity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.Trainer/GrantCapacity',
+            protos_dot_trainer__pb2.GrantCapacityRequest.SerializeToString,
+            protos_dot_trainer__pb2.GrantCapacityResponse.FromString,
             options,
             channel_credentials,
             insecure,

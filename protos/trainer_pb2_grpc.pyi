@@ -38,6 +38,12 @@ class TrainerStub:
     Ack: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.AckRequest, _trainer_pb2.AckResponse]
     SetWeightVersion: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.SetWeightVersionRequest, _trainer_pb2.SetWeightVersionResponse]
     GetStats: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.GetStatsRequest, _trainer_pb2.GetStatsResponse]
+    PauseSubmission: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.PauseSubmissionRequest, _trainer_pb2.PauseSubmissionResponse]
+    """New turns wait (then 503); returns once the turns already running have finished."""
+    ResumeSubmission: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.ResumeSubmissionRequest, _trainer_pb2.ResumeSubmissionResponse]
+    """Releases the waiting turns."""
+    GrantCapacity: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.GrantCapacityRequest, _trainer_pb2.GrantCapacityResponse]
+    """Adds capacity for n more episodes."""
 
 @_typing.type_check_only
 class TrainerAsyncStub(TrainerStub):
@@ -47,6 +53,12 @@ class TrainerAsyncStub(TrainerStub):
     Ack: _aio.UnaryUnaryMultiCallable[_trainer_pb2.AckRequest, _trainer_pb2.AckResponse]  # type: ignore[assignment]
     SetWeightVersion: _aio.UnaryUnaryMultiCallable[_trainer_pb2.SetWeightVersionRequest, _trainer_pb2.SetWeightVersionResponse]  # type: ignore[assignment]
     GetStats: _aio.UnaryUnaryMultiCallable[_trainer_pb2.GetStatsRequest, _trainer_pb2.GetStatsResponse]  # type: ignore[assignment]
+    PauseSubmission: _aio.UnaryUnaryMultiCallable[_trainer_pb2.PauseSubmissionRequest, _trainer_pb2.PauseSubmissionResponse]  # type: ignore[assignment]
+    """New turns wait (then 503); returns once the turns already running have finished."""
+    ResumeSubmission: _aio.UnaryUnaryMultiCallable[_trainer_pb2.ResumeSubmissionRequest, _trainer_pb2.ResumeSubmissionResponse]  # type: ignore[assignment]
+    """Releases the waiting turns."""
+    GrantCapacity: _aio.UnaryUnaryMultiCallable[_trainer_pb2.GrantCapacityRequest, _trainer_pb2.GrantCapacityResponse]  # type: ignore[assignment]
+    """Adds capacity for n more episodes."""
 
 class TrainerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -77,5 +89,29 @@ class TrainerServicer(metaclass=_abc_1.ABCMeta):
         request: _trainer_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_pb2.GetStatsResponse, _abc.Awaitable[_trainer_pb2.GetStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PauseSubmission(
+        self,
+        request: _trainer_pb2.PauseSubmissionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_pb2.PauseSubmissionResponse, _abc.Awaitable[_trainer_pb2.PauseSubmissionResponse]]:
+        """New turns wait (then 503); returns once the turns already running have finished."""
+
+    @_abc_1.abstractmethod
+    def ResumeSubmission(
+        self,
+        request: _trainer_pb2.ResumeSubmissionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_pb2.ResumeSubmissionResponse, _abc.Awaitable[_trainer_pb2.ResumeSubmissionResponse]]:
+        """Releases the waiting turns."""
+
+    @_abc_1.abstractmethod
+    def GrantCapacity(
+        self,
+        request: _trainer_pb2.GrantCapacityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_pb2.GrantCapacityResponse, _abc.Awaitable[_trainer_pb2.GrantCapacityResponse]]:
+        """Adds capacity for n more episodes."""
 
 def add_TrainerServicer_to_server(servicer: TrainerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
