@@ -26,7 +26,7 @@ def grpc_serving(address: str, service: str, timeout_s: float) -> str | None:
         except grpc.RpcError as err:
             return f"{err.code().name}: {err.details()}"
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     return None
 
 

@@ -194,11 +194,15 @@ def test_every_service_selects_some_workload_and_every_workload_has_a_service(
     # Every Service port targets a named port some selected container declares.
     for service in services:
         selected = [
-            w for w in workloads(overlay) if service["spec"]["selector"].items()
+            w
+            for w in workloads(overlay)
+            if service["spec"]["selector"].items()
             <= w["spec"]["template"]["metadata"]["labels"].items()
         ]
         declared = {
-            p["name"] for w in selected for c in w["spec"]["template"]["spec"]["containers"]
+            p["name"]
+            for w in selected
+            for c in w["spec"]["template"]["spec"]["containers"]
             for p in c.get("ports", [])
         }
         for port in service["spec"]["ports"]:
@@ -219,7 +223,10 @@ def test_grace_period_outlasts_the_prestop_sleep_plus_the_drain(overlay: list[Ma
 def test_services_reach_each_other_through_service_names(overlay: list[Manifest]) -> None:
     env = env_config(overlay)
     services = {s["metadata"]["name"]: s for s in of_kind(overlay, "Service")}
-    for variable, name in (("ROLLGATE_ROUTER_ADDR", "router"), ("ROLLGATE_DATAPROXY_ADDR", "dataproxy")):
+    for variable, name in (
+        ("ROLLGATE_ROUTER_ADDR", "router"),
+        ("ROLLGATE_DATAPROXY_ADDR", "dataproxy"),
+    ):
         host, port = env[variable].rsplit(":", 1)
         service = services[host]
         assert component(service) == name
@@ -316,7 +323,8 @@ def test_prod_has_a_disruption_budget_for_every_service(prod: list[Manifest]) ->
     for pdb in pdbs:
         selector = pdb["spec"]["selector"]["matchLabels"]
         matched = [
-            d for d in rollgate_deployments(prod)
+            d
+            for d in rollgate_deployments(prod)
             if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
         ]
         assert matched, pdb["metadata"]["name"]
