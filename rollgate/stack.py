@@ -41,6 +41,9 @@ class StackConfig:
     host: str = "127.0.0.1"
     gateway_port: int = 8080
     workers: int = 2
+    # Extra replicas of the other services ({"gateway": 2, "router": 2, "dataproxy": 2}):
+    # they share one Redis; gateways and workers reach routers and dataproxies round-robin.
+    replicas: Mapping[str, int] = field(default_factory=dict)
     # None: an embedded redis-server (persistent under `state_dir` when one is given).
     redis_url: str | None = None
     redis_prefix: str = "rg:"
@@ -191,12 +194,12 @@ class Stack:
             ]  # fmt: skip
             self.mock_url = f"http://{cfg.host}:{port}/v1"
             self._launch("mock-llm")
-        router_port, dataproxy_port = self._free_port(), self._free_port()
-        self._add("router", "router", ["services.router"], router_port)
-        self._add("dataproxy", "dataproxy", ["services.dataproxy"], dataproxy_port)
-        self._launch("router", "dataproxy")
+        routers = self._add_replicas("router", ["services.router"])
+        dataproxies = self._add_replicas("dataproxy", ["services.dataproxy"])
+        self._launch(*routers, *dataproxies)
+        router_target = self._target(routers)
         upstream = {
-            "ROLLGATE_ROUTER_ADDR": f"{cfg.host}:{router_port}",
+            "ROLLGATE_ROUTER_ADDR": router_target,
             "ROLLGATE_UPSTREAM_BASE_URL": cfg.upstream_base_url or self.mock_url or "",
             "ROLLGATE_UPSTREAM_KIND": cfg.upstream_kind or ("vllm" if self.mock_url else "openai"),
         }
@@ -212,13 +215,30 @@ class Stack:
                 ROLLGATE_WORKER_ID=name, ROLLGATE_WORKER_ADVERTISE=f"{cfg.host}:{port}", **upstream,
             )  # fmt: skip
         self._launch(*workers)
-        self._add(
-            "gateway", "gateway", ["services.gateway"], cfg.gateway_port,
-            ROLLGATE_ROUTER_ADDR=f"{cfg.host}:{router_port}",
-            ROLLGATE_DATAPROXY_ADDR=f"{cfg.host}:{dataproxy_port}",
+        gateways = self._add_replicas(
+            "gateway", ["services.gateway"], first_port=cfg.gateway_port,
+            ROLLGATE_ROUTER_ADDR=router_target,
+            ROLLGATE_DATAPROXY_ADDR=self._target(dataproxies),
         )  # fmt: skip
-        self._launch("gateway")
+        self._launch(*gateways)
         self._write_state_file()
+
+    def _add_replicas(
+        self, kind: str, module: list[str], *, first_port: int | None = None, **env: str
+    ) -> list[str]:
+        """Adds `kind`, `kind-2`, … (as many as configured) and returns their names."""
+        names = []
+        for i in range(max(1, self.config.replicas.get(kind, 1))):
+            name = kind if i == 0 else f"{kind}-{i + 1}"
+            port = first_port if (i == 0 and first_port is not None) else self._free_port()
+            self._add(name, kind, module, port, **env)
+            names.append(name)
+        return names
+
+    def _target(self, names: list[str]) -> str:
+        """The gRPC target for a service: one address, or all replicas for round-robin."""
+        addresses = [self.services[name].address for name in names]
+        return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
 
     def _free_port(self) -> int:
         # The OS may hand out a port twice before anything binds it: never reuse one here.
@@ -282,8 +302,8 @@ class Stack:
 
     def stop(self) -> None:
         """Stops everything, gateway first and Redis last, each gracefully when it can."""
-        order = ["gateway", *(n for n in self.services if n.startswith("worker-"))]
-        order += ["dataproxy", "router", "mock-llm"]
+        rank = {"gateway": 0, "worker": 1, "dataproxy": 2, "router": 3, "http": 4}
+        order = sorted(self.services, key=lambda name: rank[self.services[name].kind])
         for name in order:
             if name in self.services:
                 self.services[name].signal(signal.SIGTERM)

@@ -18,6 +18,8 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.enable_retries", 0),
+    # A target listing several replicas ("ipv4:a:1,b:2") spreads calls and skips dead ones.
+    ("grpc.lb_policy_name", "round_robin"),
 )
 
 
