@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -24,6 +25,8 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 _ERROR_METADATA_KEY = "rollgate-error-bin"
+# How many (group, trajectory id) pairs a client remembers to drop duplicates.
+SEEN_LIMIT = 100_000
 
 
 class TrainerError(Exception):
@@ -42,6 +45,9 @@ class PulledTrajectory:
 
     stream_id: str
     trajectory: Trajectory
+    # The episode group (GRPO over whole episodes); "" and 0 when the episode has none.
+    group_id: str = ""
+    group_size: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +60,20 @@ class TrainerStats:
     pending: int
     weight_version: int
     empty_episodes: int
+    # Episodes that may still start; -1: unlimited.
+    capacity: int = -1
+    paused: bool = False
+    # Share of interactions whose parent was found (0.0 before any was published).
+    join_rate: float = 0.0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PauseResult:
+    """What `PauseSubmission` reports: whether running turns finished, and how many still run."""
+
+    drained: bool
+    in_flight: int
 
 
 class TrainerClient:
@@ -65,8 +85,8 @@ class TrainerClient:
         self._timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: trainer_pb2_grpc.TrainerAsyncStub | None = None
-        # (group, trajectory id) → the stream id it first came with.
-        self._seen: dict[tuple[str, str], str] = {}
+        # (group, trajectory id) → the stream id it first came with; the oldest are forgotten.
+        self._seen: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     async def __aenter__(self) -> TrainerClient:
         self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
@@ -84,15 +104,26 @@ class TrainerClient:
             self._channel = self._stub = None
 
     async def pull(
-        self, group: str, consumer: str, max_count: int = 0, idle_timeout_s: float = 0.0
+        self,
+        group: str,
+        consumer: str,
+        max_count: int = 0,
+        idle_timeout_s: float = 0.0,
+        *,
+        complete_groups_only: bool = False,
     ) -> AsyncIterator[PulledTrajectory]:
         """Trajectories for `consumer` in `group`; duplicates (per group, by id) are dropped.
 
         Ends after `max_count` (0: no limit) or `idle_timeout_s` without a new trajectory
-        (0: runs until the caller stops iterating).
+        (0: runs until the caller stops iterating). `complete_groups_only` asks for episode
+        groups only once every member is published.
         """
         request = trainer_pb2.PullTrajectoriesRequest(
-            group=group, consumer=consumer, max_count=max_count, idle_timeout_s=idle_timeout_s
+            group=group,
+            consumer=consumer,
+            max_count=max_count,
+            idle_timeout_s=idle_timeout_s,
+            complete_groups_only=complete_groups_only,
         )
         # No deadline on the stream itself: it ends by count or idle time; keepalive
         # pings detect a dead server.
@@ -108,10 +139,12 @@ class TrainerClient:
                 if first is not None:
                     continue  # redelivered (still pending): the caller already has it
                 if message.trajectory_id:
-                    self._seen[seen_key] = message.stream_id
+                    self._remember(seen_key, message.stream_id)
                 yield PulledTrajectory(
                     stream_id=message.stream_id,
                     trajectory=decode_trajectory(message.data, message.codec or "msgpack"),
+                    group_id=message.group_id,
+                    group_size=message.group_size,
                 )
         except grpc.aio.AioRpcError as err:
             raise _trainer_error(err) from None
@@ -131,7 +164,7 @@ class TrainerClient:
         return int(response.version)
 
     async def stats(self) -> TrainerStats:
-        """Published, consumed and pending counts, weight version."""
+        """Published, consumed and pending counts, weight version, capacity, join rate."""
         response = await self._unary(self._require_stub().GetStats, trainer_pb2.GetStatsRequest())
         return TrainerStats(
             open_episodes=response.open_episodes,
@@ -140,11 +173,42 @@ class TrainerClient:
             pending=response.pending,
             weight_version=response.weight_version,
             empty_episodes=response.empty_episodes,
+            capacity=response.capacity,
+            paused=response.paused,
+            join_rate=response.join_rate,
+            in_flight=response.in_flight,
         )
 
-    async def _unary(self, method: Any, request: Any) -> Any:
+    async def pause_submission(self, timeout_s: float = 30.0) -> PauseResult:
+        """New turns wait; returns once running turns finished or `timeout_s` passed."""
+        request = trainer_pb2.PauseSubmissionRequest(timeout_s=timeout_s)
+        # The call itself may take up to timeout_s: give it that plus the usual budget.
+        response = await self._unary(
+            self._require_stub().PauseSubmission, request, timeout_s=timeout_s + self._timeout_s
+        )
+        return PauseResult(drained=bool(response.drained), in_flight=int(response.in_flight))
+
+    async def resume_submission(self) -> None:
+        """Releases the turns waiting since `pause_submission`."""
+        request = trainer_pb2.ResumeSubmissionRequest()
+        await self._unary(self._require_stub().ResumeSubmission, request)
+
+    async def grant_capacity(self, episodes: int) -> int:
+        """Lets `episodes` more episodes start; the capacity now (-1: unlimited)."""
+        request = trainer_pb2.GrantCapacityRequest(episodes=episodes)
+        response = await self._unary(self._require_stub().GrantCapacity, request)
+        return int(response.capacity)
+
+    def _remember(self, seen_key: tuple[str, str], stream_id: str) -> None:
+        self._seen[seen_key] = stream_id
+        if len(self._seen) > SEEN_LIMIT:
+            self._seen.popitem(last=False)
+
+    async def _unary(self, method: Any, request: Any, *, timeout_s: float | None = None) -> Any:
         try:
-            return await method(request, metadata=self._metadata, timeout=self._timeout_s)
+            return await method(
+                request, metadata=self._metadata, timeout=timeout_s or self._timeout_s
+            )
         except grpc.aio.AioRpcError as err:
             raise _trainer_error(err) from None
 

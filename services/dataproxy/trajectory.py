@@ -41,6 +41,8 @@ class EpisodeInfo:
     ended_at: float
     end_reason: str  # "refresh" | "end_session" | "idle"
     group_id: str | None = None
+    # Episodes in the group (GRPO over whole episodes); None without a group.
+    group_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +67,10 @@ def build_trajectory(
     interactions = [
         _interaction(index, turn, parents[index], rewards) for index, turn in enumerate(decoded)
     ]
-    versions = sorted({int(turn.record.get("weight_version", 0) or 0) for turn in decoded})
+    versions = sorted(
+        {int(turn.record.get("weight_version", 0) or 0) for turn in decoded}
+        | {v for i in interactions for v in _versions_of(i)}
+    )
     return {
         "schema_version": SCHEMA_VERSION,
         "trajectory_id": info.trajectory_id,
@@ -74,16 +79,13 @@ def build_trajectory(
         "key_id": info.key_id,
         "episode": info.episode,
         "group_id": info.group_id,
+        "group_size": info.group_size,
         "started_at": float(info.started_at),
         "ended_at": float(info.ended_at),
         "end_reason": info.end_reason,
         "final_reward": interactions[-1]["reward"] if interactions else 0.0,
         "weight_versions": versions,
-        "stats": {
-            "interactions": len(interactions),
-            "joined": sum(parent is not None for parent in parents),
-            "length_mismatches": sum(bool(i["length_mismatch"]) for i in interactions),
-        },
+        "stats": _stats(decoded, parents, interactions),
         "interactions": interactions,
     }
 
@@ -114,6 +116,41 @@ def link_parents(turns: Sequence[_Turn]) -> list[int | None]:
     return parents
 
 
+def _stats(
+    turns: Sequence[_Turn], parents: Sequence[int | None], interactions: Sequence[Mapping[str, Any]]
+) -> dict[str, int]:
+    """How the turns joined: parents found, exact token joins, retries, length mismatches."""
+    exact = 0
+    for child, parent in zip(turns, parents, strict=True):
+        if parent is not None and child.exact and turns[parent].exact:
+            exact += int(
+                child.prompt_ids.startswith(turns[parent].prompt_ids + turns[parent].output_ids)
+            )
+    seen: set[bytes] = set()
+    retries = 0
+    for turn in turns:
+        key = (
+            orjson.dumps(turn.messages, option=orjson.OPT_SORT_KEYS)
+            if turn.messages
+            else b"p" + turn.prompt_ids
+        )
+        retries += int(key in seen)
+        seen.add(key)
+    return {
+        "interactions": len(turns),
+        "joined": sum(parent is not None for parent in parents),
+        "exact_joined": exact,
+        "retries": retries,
+        "length_mismatches": sum(bool(i["length_mismatch"]) for i in interactions),
+    }
+
+
+def _versions_of(interaction: Mapping[str, Any]) -> set[int]:
+    packed = bytes(interaction["output_versions"])
+    count = len(packed) // 4
+    return set(struct.unpack(f"<{count}i", packed)) if count else set()
+
+
 def _decode_turn(raw: bytes) -> _Turn:
     record: Mapping[str, Any] = msgpack.unpackb(raw, raw=False)
     request = _json_object(record.get("request_json"))
@@ -137,7 +174,6 @@ def _interaction(
     interaction_id = str(record.get("interaction_id", ""))
     logprobs = bytes(record.get("output_logprobs") or b"")
     n_output = len(turn.output_ids) // 4 or len(logprobs) // _FLOAT32_BYTES
-    version = int(record.get("weight_version", 0) or 0)
     reward = rewards.get(interaction_id)
     return {
         "interaction_id": interaction_id,
@@ -156,12 +192,20 @@ def _interaction(
         "prompt_token_ids": turn.prompt_ids,
         "output_token_ids": turn.output_ids,
         "output_logprobs": logprobs,
-        "output_versions": _INT32.pack(version) * n_output,
+        "output_versions": _output_versions(record, n_output),
         "exact_tokens": turn.exact,
         "length_mismatch": bool(record.get("length_mismatch", False)),
         "reward": float(reward) if reward is not None else 0.0,
         "reward_set": reward is not None,
     }
+
+
+def _output_versions(record: Mapping[str, Any], n_output: int) -> bytes:
+    """Per-token versions as recorded; else the turn's version repeated once per token."""
+    packed = bytes(record.get("output_versions") or b"")
+    if packed and len(packed) == n_output * 4:
+        return packed
+    return _INT32.pack(int(record.get("weight_version", 0) or 0)) * n_output
 
 
 def _json_object(raw: Any) -> dict[str, Any]:
@@ -208,6 +252,15 @@ class TrainerStats:
     pending: int
     weight_version: int
     empty_episodes: int
+    # Interactions published, and those whose parent was found (`P stats` counters).
+    interactions: int = 0
+    joined: int = 0
+
+    @property
+    def join_rate(self) -> float:
+        """Share of interactions after each episode's first whose parent was found."""
+        could_join = self.interactions - self.published
+        return self.joined / could_join if could_join > 0 else 0.0
 
 
 # XACK and the `consumed` counter move together, in one round trip.
@@ -338,6 +391,8 @@ class TrajectoryStream:
             pending=sum(_int(g.get("pending", 0)) for g in groups),
             weight_version=_int(version),
             empty_episodes=fields.get("empty_episodes", 0),
+            interactions=fields.get("interactions", 0),
+            joined=fields.get("joined", 0),
         )
 
     async def _groups(self) -> list[dict[str, Any]]:

@@ -242,7 +242,13 @@ def test_an_episode_without_turns_builds_an_empty_trajectory() -> None:
 
     assert t["interactions"] == []
     assert t["final_reward"] == 0.0
-    assert t["stats"] == {"interactions": 0, "joined": 0, "length_mismatches": 0}
+    assert t["stats"] == {
+        "interactions": 0,
+        "joined": 0,
+        "exact_joined": 0,
+        "retries": 0,
+        "length_mismatches": 0,
+    }
 
 
 def test_tools_and_group_id_are_carried() -> None:
@@ -252,3 +258,49 @@ def test_tools_and_group_id_are_carried() -> None:
 
     assert t["group_id"] == "g1"
     assert t["interactions"][0]["tools"] == tools
+
+
+def test_group_size_is_carried_and_absent_without_a_group() -> None:
+    grouped = build_trajectory(dataclasses.replace(INFO, group_id="g", group_size=4), [], {})
+    alone = build_trajectory(INFO, [], {})
+
+    assert (grouped["group_id"], grouped["group_size"]) == ("g", 4)
+    assert (alone["group_id"], alone["group_size"]) == (None, None)
+
+
+def test_per_token_versions_recorded_by_the_turn_are_kept() -> None:
+    raw = msgpack.unpackb(turn("c1", messages=[user("a")], output_ids=[5, 6, 7]), raw=False)
+    raw["output_versions"] = ints([3, 3, 4])  # the weights changed mid-generation
+    raw["weight_version"] = 3
+    t = build_trajectory(INFO, [msgpack.packb(raw, use_bin_type=True)], {})
+
+    assert t["interactions"][0]["output_versions"] == ints([3, 3, 4])
+    assert t["weight_versions"] == [3, 4]
+
+
+def test_without_per_token_versions_the_turn_version_is_repeated() -> None:
+    t = build_trajectory(INFO, [turn("c1", messages=[user("a")], output_ids=[5, 6], version=2)], {})
+
+    assert t["interactions"][0]["output_versions"] == ints([2, 2])
+
+
+def test_stats_tell_exact_joins_from_message_joins_and_count_retries() -> None:
+    first = [SYSTEM, user("q")]
+    second = [*first, assistant("c1"), user("r")]
+    turns = [
+        turn("c1", messages=first, prompt_ids=[1, 2], output_ids=[3]),
+        turn("c1-retry", messages=first, prompt_ids=[1, 2], output_ids=[4]),
+        turn("c2", messages=second, prompt_ids=[1, 2, 3, 9], output_ids=[5]),
+        turn("c3", messages=[*second, assistant("c2"), user("s")], exact=False),
+    ]
+
+    t = build_trajectory(INFO, turns, {})
+
+    assert [i["parent"] for i in t["interactions"]] == [None, None, 0, 2]
+    assert t["stats"] == {
+        "interactions": 4,
+        "joined": 2,
+        "exact_joined": 1,
+        "retries": 1,
+        "length_mismatches": 0,
+    }

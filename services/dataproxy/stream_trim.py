@@ -1,0 +1,139 @@
+"""Trims the trajectories stream below what every consumer group has acked, periodically.
+
+Redis 7.0 trims without looking at consumer groups (`XTRIM ... ACKED` needs 8.2), so one Lua
+script computes, atomically, the smallest id any group still needs — its oldest pending entry,
+or the entry after its last-delivered id when nothing is pending — and `XTRIM MINID`s below it.
+With no consumer group at all nothing is trimmed (nobody has acked anything), unless the
+stream is longer than `max_len_without_groups` (0: never). Several dataproxies may each run
+a trimmer: the script is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from types import TracebackType
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from services.dataproxy.redis_keys import RedisKeys
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+DEFAULT_INTERVAL_S = 30.0
+
+# KEYS[1] the stream; ARGV[1] max length when there is no group (0: never trim then).
+# Returns {entries trimmed, the MINID used ('' when none), mode: 'groups' | 'maxlen' | ''}.
+_TRIM_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '', ''} end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then
+  local max_len = tonumber(ARGV[1])
+  if max_len > 0 and redis.call('XLEN', KEYS[1]) > max_len then
+    return {redis.call('XTRIM', KEYS[1], 'MAXLEN', '=', max_len), '', 'maxlen'}
+  end
+  return {0, '', ''}
+end
+local best_ms, best_seq = nil, nil
+for _, group in ipairs(groups) do
+  local fields = {}
+  for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+  local ms, seq
+  if tonumber(fields['pending']) > 0 then
+    local oldest = redis.call('XPENDING', KEYS[1], fields['name'])[2]
+    ms, seq = string.match(oldest, '^(%d+)-(%d+)$')
+    ms, seq = tonumber(ms), tonumber(seq)
+  else
+    ms, seq = string.match(fields['last-delivered-id'], '^(%d+)-(%d+)$')
+    ms, seq = tonumber(ms), tonumber(seq) + 1
+  end
+  if best_ms == nil or ms < best_ms or (ms == best_ms and seq < best_seq) then
+    best_ms, best_seq = ms, seq
+  end
+end
+local min_id = string.format('%d-%d', best_ms, best_seq)
+return {redis.call('XTRIM', KEYS[1], 'MINID', '=', min_id), min_id, 'groups'}
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrimResult:
+    """One pass: entries removed, the smallest id kept ("" when not by groups), and why."""
+
+    trimmed: int
+    min_id: str
+    mode: str  # "groups" | "maxlen" | "" (nothing to do)
+
+
+class StreamTrimmer:
+    """`async with StreamTrimmer(...)`: trims the stream every `interval_s` until left."""
+
+    def __init__(
+        self,
+        *,
+        redis: Redis,
+        keys: RedisKeys,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        max_len_without_groups: int = 0,
+        command_timeout_s: float = 5.0,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._interval_s = interval_s
+        self._max_len = max(0, max_len_without_groups)
+        self._timeout_s = command_timeout_s
+        self._script = redis.register_script(_TRIM_LUA)
+        self._task: asyncio.Task[None] | None = None
+        # Passes run by `run()`, and how many of them failed (Redis unreachable, timeout).
+        self.passes = 0
+        self.failures = 0
+
+    async def __aenter__(self) -> StreamTrimmer:
+        self._task = asyncio.create_task(self.run(), name="stream-trimmer")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def run(self) -> None:
+        """Trims now and then every `interval_s`; a Redis failure is logged and retried."""
+        while True:
+            self.passes += 1
+            try:
+                result = await self.trim_once()
+            except (RedisError, TimeoutError) as err:
+                self.failures += 1
+                log.warning("stream_trim_failed", error=type(err).__name__, detail=str(err))
+            else:
+                if result.trimmed:
+                    log.info(
+                        "stream_trimmed",
+                        trimmed=result.trimmed,
+                        min_id=result.min_id,
+                        mode=result.mode,
+                    )
+            await asyncio.sleep(self._interval_s)
+
+    async def trim_once(self) -> TrimResult:
+        """One atomic pass over the groups; what it removed."""
+        async with asyncio.timeout(self._timeout_s):
+            trimmed, min_id, mode = await self._script(
+                keys=[self._keys.trajectories], args=[self._max_len]
+            )
+        return TrimResult(trimmed=int(trimmed), min_id=_text(min_id), mode=_text(mode))
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
