@@ -112,21 +112,27 @@ class SetRewardRequest(_message.Message):
     KEY_DIGEST_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     INTERACTION_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     key_digest: _builtins.str
     """SHA-256 hex digest of the session key."""
     reward: _builtins.float
     interaction_id: _builtins.str
     """Empty: the last completed interaction."""
+    session_id: _builtins.str
+    """The episode to reward (an ended episode held for a late reward); empty: the key's held
+    episode when it has no active one, else its active episode.
+    """
     def __init__(
         self,
         *,
         key_digest: _builtins.str = ...,
         reward: _builtins.float = ...,
         interaction_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interaction_id", b"interaction_id", "key_digest", b"key_digest", "reward", b"reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interaction_id", b"interaction_id", "key_digest", b"key_digest", "reward", b"reward", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
