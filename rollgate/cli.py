@@ -35,6 +35,13 @@ def _up_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument(
+        "--replicas",
+        type=_replicas,
+        default={},
+        metavar="gateway=2,router=2,dataproxy=2",
+        help="replicas of the gateway, router and dataproxy on one Redis (default 1 each)",
+    )
+    parser.add_argument(
         "--redis-url",
         default=os.environ.get("ROLLGATE_REDIS_URL") or os.environ.get("REDIS_URL") or None,
         help="use this Redis (default: $REDIS_URL, else an embedded redis-server)",
@@ -54,6 +61,19 @@ def _up_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _replicas(text: str) -> dict[str, int]:
+    """Parses `--replicas gateway=2,router=2,dataproxy=2`."""
+    counts: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, count = item.partition("=")
+        if name not in ("gateway", "router", "dataproxy") or not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected gateway=N, router=N or dataproxy=N with N >= 1"
+            )
+        counts[name] = int(count)
+    return counts
+
+
 def up_main(argv: Sequence[str]) -> int:
     """`rollgate up`: starts everything, prints how to use it, stops everything on Ctrl-C."""
     args = _up_parser().parse_args(argv)
@@ -64,6 +84,7 @@ def up_main(argv: Sequence[str]) -> int:
         host=args.host,
         gateway_port=args.port,
         workers=args.workers,
+        replicas=args.replicas,
         redis_url=args.redis_url,
         upstream_base_url=upstream,
         upstream_api_key=os.environ.get("ROLLGATE_UPSTREAM_API_KEY") or None,
