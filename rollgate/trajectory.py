@@ -44,6 +44,8 @@ class Interaction:
     length_mismatch: bool
     reward: float
     reward_set: bool
+    # The weight version when the turn finished (differs only if weights changed unpaused).
+    weight_version_end: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -77,6 +79,8 @@ class Trajectory:
     key_id: str
     episode: str
     group_id: str | None
+    # Episodes in the group; None without a group.
+    group_size: int | None
     started_at: float
     ended_at: float
     end_reason: str
@@ -123,6 +127,7 @@ def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
         key_id=str(raw.get("key_id", "")),
         episode=str(raw.get("episode", "")),
         group_id=raw.get("group_id"),
+        group_size=None if raw.get("group_size") is None else int(raw["group_size"]),
         started_at=float(raw.get("started_at", 0.0)),
         ended_at=float(raw.get("ended_at", 0.0)),
         end_reason=str(raw.get("end_reason", "")),
@@ -179,6 +184,7 @@ def _interaction(raw: Mapping[str, Any]) -> Interaction:
         length_mismatch=bool(raw.get("length_mismatch", False)),
         reward=float(raw.get("reward", 0.0)),
         reward_set=bool(raw.get("reward_set", False)),
+        weight_version_end=int(raw.get("weight_version_end", 0) or 0),
     )
 
 

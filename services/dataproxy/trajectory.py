@@ -193,6 +193,10 @@ def _interaction(
         "output_token_ids": turn.output_ids,
         "output_logprobs": logprobs,
         "output_versions": _output_versions(record, n_output),
+        # The version when the turn finished (≠ its tokens' only if weights changed unpaused).
+        "weight_version_end": int(
+            record.get("weight_version_end", record.get("weight_version", 0)) or 0
+        ),
         "exact_tokens": turn.exact,
         "length_mismatch": bool(record.get("length_mismatch", False)),
         "reward": float(reward) if reward is not None else 0.0,

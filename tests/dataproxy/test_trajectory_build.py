@@ -7,7 +7,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
 
