@@ -1,0 +1,214 @@
+"""At-least-once consumption through the real Trainer server: a SIGKILLed consumer's entries
+are reclaimed by another consumer (XAUTOCLAIM), and the client drops duplicates by id."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import struct
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+import redis.asyncio as aioredis
+
+from protos import trainer_pb2_grpc
+from rollgate.trainer_client import PulledTrajectory, TrainerClient
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.trainer_servicer import TrainerServicer
+from services.dataproxy.trajectory import CODEC, EpisodeInfo, build_trajectory, encode_trajectory
+from services.runtime.grpc_server import GrpcServer, ServerSpec
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN_KEY = "admin-consumers-" + "c" * 24
+RECLAIM_IDLE_S = 0.5
+
+# A consumer process: pulls N trajectories, prints their ids, then hangs until killed.
+CONSUMER = """
+import asyncio, sys
+from rollgate.trainer_client import TrainerClient
+
+async def main(address, key, group, consumer, count):
+    async with TrainerClient(address, key) as tc:
+        async for item in tc.pull(group, consumer, max_count=int(count), idle_timeout_s=10):
+            print(item.trajectory.trajectory_id, flush=True)
+        print("PULLED", flush=True)
+        await asyncio.Event().wait()  # never acks: dies holding its entries
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+class Trainer:
+    """A real Trainer gRPC server on port 0 over the test's Redis prefix."""
+
+    def __init__(self, address: str, keys: RedisKeys, redis: aioredis.Redis) -> None:
+        self.address = address
+        self.keys = keys
+        self.redis = redis
+
+    def client(self) -> TrainerClient:
+        return TrainerClient(self.address, ADMIN_KEY, timeout_s=5.0)
+
+    async def publish(self, trajectory_id: str) -> str:
+        record = msgpack.packb(
+            {
+                "interaction_id": "c1",
+                "request_json": b'{"messages": [{"role": "user", "content": "hi"}]}',
+                "assistant_message_json": b'{"role": "assistant", "content": "yo"}',
+                "prompt_token_ids": struct.pack("<2i", 1, 2),
+                "output_token_ids": struct.pack("<1i", 3),
+                "output_logprobs": struct.pack("<1f", -0.5),
+                "exact_tokens": True,
+            },
+            use_bin_type=True,
+        )
+        info = EpisodeInfo(
+            trajectory_id=trajectory_id,
+            session_id="s",
+            task_id="t",
+            key_id="k",
+            episode="s",
+            started_at=1.0,
+            ended_at=2.0,
+            end_reason="end_session",
+        )
+        data = encode_trajectory(build_trajectory(info, [record], {"c1": 1.0}))
+        fields = {"trajectory_id": trajectory_id, "codec": CODEC, "data": data}
+        stream_id: Any = await self.redis.xadd(self.keys.trajectories, fields)  # type: ignore[arg-type]
+        return str(stream_id.decode())
+
+    async def pending_by_consumer(self, group: str) -> dict[str, int]:
+        consumers: Any = await self.redis.xinfo_consumers(self.keys.trajectories, group)
+        return {c["name"].decode(): int(c["pending"]) for c in consumers}
+
+
+@pytest.fixture
+async def trainer(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIterator[Trainer]:
+    keys = RedisKeys(prefix=key_prefix)
+    servicer = TrainerServicer(
+        redis=redis_client,
+        keys=keys,
+        settings=DataProxySettings(admin_key=ADMIN_KEY),
+        reclaim_idle_s=RECLAIM_IDLE_S,
+    )
+    server = GrpcServer(
+        ServerSpec(
+            name="dataproxy",
+            host="127.0.0.1",
+            port=0,
+            service_names=["rollgate.v1.Trainer"],
+            grace_s=1.0,
+        )
+    )
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
+    await server.__aenter__()
+    try:
+        yield Trainer(f"127.0.0.1:{server.port}", keys, redis_client)
+    finally:
+        await servicer.close()
+        await server.stop()
+
+
+async def run_doomed_consumer(trainer: Trainer, group: str, count: int) -> list[str]:
+    """Starts a consumer process, waits until it pulled `count` entries, SIGKILLs it."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CONSUMER,
+        trainer.address,
+        ADMIN_KEY,
+        group,
+        "doomed",
+        str(count),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    pulled: list[str] = []
+    try:
+        async with asyncio.timeout(30):
+            while (line := (await process.stdout.readline()).decode().strip()) != "PULLED":
+                assert line, "the consumer exited before pulling"
+                pulled.append(line)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        async with asyncio.timeout(10):
+            await process.wait()
+    assert process.returncode == -signal.SIGKILL
+    return pulled
+
+
+async def pull_until(
+    tc: TrainerClient, group: str, consumer: str, want: int
+) -> list[PulledTrajectory]:
+    """Pulls (idle-bounded rounds) until `want` trajectories came, for at most 20 s."""
+    got: list[PulledTrajectory] = []
+    deadline = time.monotonic() + 20
+    while len(got) < want:
+        assert time.monotonic() < deadline, f"only {len(got)} of {want} arrived"
+        async with asyncio.timeout(30):
+            got += [item async for item in tc.pull(group, consumer, idle_timeout_s=0.3)]
+    return got
+
+
+async def test_a_killed_consumers_entries_are_reclaimed_by_another_consumer(
+    trainer: Trainer,
+) -> None:
+    ids = ["t0", "t1", "t2"]
+    for trajectory_id in ids:
+        await trainer.publish(trajectory_id)
+
+    held = await run_doomed_consumer(trainer, "ppo", count=2)
+    assert held == ["t0", "t1"]
+    assert await trainer.pending_by_consumer("ppo") == {"doomed": 2}
+
+    async with trainer.client() as tc:
+        got = await pull_until(tc, "ppo", "survivor", want=3)
+        delivered: Any = await trainer.redis.xpending_range(
+            trainer.keys.trajectories, "ppo", min="-", max="+", count=10
+        )
+        acked = await tc.ack("ppo", [item.stream_id for item in got])
+        stats = await tc.stats()
+
+    assert sorted(item.trajectory.trajectory_id for item in got) == ids
+    owners = {d["message_id"].decode(): d["consumer"].decode() for d in delivered}
+    deliveries = {d["message_id"].decode(): d["times_delivered"] for d in delivered}
+    by_id = {item.trajectory.trajectory_id: item.stream_id for item in got}
+    assert set(owners.values()) == {"survivor"}
+    assert deliveries[by_id["t0"]] >= 2 and deliveries[by_id["t1"]] >= 2  # came back
+    assert acked == 3
+    assert (stats.pending, stats.consumed) == (0, 3)
+    assert await trainer.pending_by_consumer("ppo") == {"doomed": 0, "survivor": 0}
+
+
+async def test_a_reclaimed_copy_of_a_trajectory_already_trained_on_is_dropped_and_acked(
+    trainer: Trainer,
+) -> None:
+    await trainer.publish("t0")
+    async with trainer.client() as tc:
+        first = await pull_until(tc, "ppo", "survivor", want=1)
+        await tc.ack("ppo", [first[0].stream_id])
+
+        await trainer.publish("t0")  # the same episode a second time (a double publication)
+        await trainer.publish("t1")
+        held = await run_doomed_consumer(trainer, "ppo", count=1)
+        assert held == ["t0"]
+
+        later = await pull_until(tc, "ppo", "survivor", want=1)
+        deadline = time.monotonic() + 20
+        while (pending := await trainer.pending_by_consumer("ppo")) != {
+            "doomed": 0,
+            "survivor": 1,
+        }:
+            assert time.monotonic() < deadline, f"pending stayed {pending}"
+            later += [item async for item in tc.pull("ppo", "survivor", idle_timeout_s=0.3)]
+
+    assert [item.trajectory.trajectory_id for item in later] == ["t1"]
