@@ -39,6 +39,7 @@ class TurnRecord(_message.Message):
     LENGTH_MISMATCH_FIELD_NUMBER: _builtins.int
     STARTED_AT_UNIX_S_FIELD_NUMBER: _builtins.int
     REQUEST_JSON_FIELD_NUMBER: _builtins.int
+    EXTRA_SAMPLES_FIELD_NUMBER: _builtins.int
     interaction_id: _builtins.str
     """The id the client saw (the completion `id`)."""
     upstream_model: _builtins.str
@@ -77,6 +78,12 @@ class TurnRecord(_message.Message):
     def output_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """One logprob per sampled output token, in order."""
 
+    @_builtins.property
+    def extra_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnSample]:
+        """Group sampling (gconfig.n_samples = G > 1): samples 1..G-1 of the same call, same prompt.
+        This record's own fields are sample 0, the one the client received. Empty when G = 1.
+        """
+
     def __init__(
         self,
         *,
@@ -95,11 +102,51 @@ class TurnRecord(_message.Message):
         length_mismatch: _builtins.bool = ...,
         started_at_unix_s: _builtins.float = ...,
         request_json: _builtins.bytes = ...,
+        extra_samples: _abc.Iterable[Global___TurnSample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message_json", b"assistant_message_json", "exact_tokens", b"exact_tokens", "finish_reason", b"finish_reason", "interaction_id", b"interaction_id", "latency_s", b"latency_s", "length_mismatch", b"length_mismatch", "output_logprobs", b"output_logprobs", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "started_at_unix_s", b"started_at_unix_s", "ttft_s", b"ttft_s", "upstream_kind", b"upstream_kind", "upstream_model", b"upstream_model", "usage_json", b"usage_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message_json", b"assistant_message_json", "exact_tokens", b"exact_tokens", "extra_samples", b"extra_samples", "finish_reason", b"finish_reason", "interaction_id", b"interaction_id", "latency_s", b"latency_s", "length_mismatch", b"length_mismatch", "output_logprobs", b"output_logprobs", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "started_at_unix_s", b"started_at_unix_s", "ttft_s", b"ttft_s", "upstream_kind", b"upstream_kind", "upstream_model", b"upstream_model", "usage_json", b"usage_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TurnRecord: _TypeAlias = TurnRecord  # noqa: Y015
+
+@_typing.final
+class TurnSample(_message.Message):
+    """One more sample of a group-sampled call: what differs from sample 0 (the prompt is shared)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    OUTPUT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    EXACT_TOKENS_FIELD_NUMBER: _builtins.int
+    LENGTH_MISMATCH_FIELD_NUMBER: _builtins.int
+    ASSISTANT_MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    finish_reason: _builtins.str
+    exact_tokens: _builtins.bool
+    length_mismatch: _builtins.bool
+    assistant_message_json: _builtins.bytes
+    """{role, content, reasoning_content?, tool_calls?} as JSON."""
+    @_builtins.property
+    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def output_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        finish_reason: _builtins.str = ...,
+        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        output_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        exact_tokens: _builtins.bool = ...,
+        length_mismatch: _builtins.bool = ...,
+        assistant_message_json: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message_json", b"assistant_message_json", "exact_tokens", b"exact_tokens", "finish_reason", b"finish_reason", "length_mismatch", b"length_mismatch", "output_logprobs", b"output_logprobs", "output_token_ids", b"output_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnSample: _TypeAlias = TurnSample  # noqa: Y015

@@ -1,4 +1,9 @@
-"""A mock LLM speaking the vLLM/OpenAI chat-completions wire format (a mock: answers are fake).
+"""A mock LLM speaking the vLLM, SGLang and OpenAI wire formats (a mock: answers are fake).
+
+Flavors: `vllm` (chat completions, `return_token_ids`), `sglang` (chat completions without
+ids, plus native `/generate` with `input_ids` and `meta_info.output_token_logprobs`
+`[[logprob, id, text], …]`), `openai` (a hosted API: `return_token_ids` is refused). `n > 1`
+returns one choice per sample.
 
 Deterministic: a word-level tokenizer with ids from a stable hash, a simple chat template,
 seeded logprobs. The last user message can force behaviours for tests: `/tool` (a tool call
@@ -10,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 import random
 import re
@@ -18,7 +25,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +35,7 @@ from aiohttp import web
 log = logging.getLogger("rollgate.mock_llm")
 
 MOCK_FINGERPRINT = "rollgate-mock"
+FLAVORS = ("vllm", "sglang", "openai")
 _PIECE = re.compile(r"\s*\S+|\s+")
 _FAIL = re.compile(r"/fail-(\d{3})\b")
 _REASONING_TEXT = "Let me think about what the user asked before I answer."
@@ -103,18 +111,37 @@ class _BadRequest(Exception):
     pass
 
 
-def _plan(body: dict[str, Any], default_model: str) -> _Plan:
+def _plan(body: dict[str, Any], default_model: str, index: int = 0) -> _Plan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadRequest("'messages' must be a non-empty list")
     seed = body.get("seed")
     if not isinstance(seed, int):
         seed = zlib.crc32(orjson.dumps(messages))
-    rng = random.Random(seed)
     user_text = _last_user_text(messages)
-    tools = body.get("tools")
     kwargs = body.get("chat_template_kwargs")
     thinking = isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking"))
+    return _plan_answer(
+        body,
+        default_model,
+        rng=random.Random(seed + index * 7919),
+        user_text=user_text,
+        tools=body.get("tools"),
+        thinking=thinking,
+        prompt_ids=[token_id(p) for p in tokenize(render_prompt(messages))],
+    )
+
+
+def _plan_answer(
+    body: dict[str, Any],
+    default_model: str,
+    *,
+    rng: random.Random,
+    user_text: str,
+    tools: Any,
+    thinking: bool,
+    prompt_ids: list[int],
+) -> _Plan:
 
     def make(piece: str, channel: str, text: str | None = None) -> _Token:
         logprob = -(0.001 + rng.random() * 2.998)
@@ -143,6 +170,9 @@ def _plan(body: dict[str, Any], default_model: str) -> _Plan:
         tokens += [make(p, "content") for p in tokenize(reply)]
         finish_reason = "stop"
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    sampling = body.get("sampling_params")
+    if isinstance(sampling, dict):
+        limit = sampling.get("max_new_tokens")
     if isinstance(limit, int) and 0 < limit < len(tokens):
         tokens = tokens[:limit]
         finish_reason = "length"
@@ -152,7 +182,7 @@ def _plan(body: dict[str, Any], default_model: str) -> _Plan:
         completion_id=f"chatcmpl-mock-{uuid.uuid4().hex[:24]}",
         created=int(time.time()),
         model=str(body.get("model") or default_model),
-        prompt_ids=[token_id(p) for p in tokenize(render_prompt(messages))],
+        prompt_ids=prompt_ids,
         tokens=tokens,
         finish_reason=finish_reason,
         tool_name=tool_name,
@@ -312,6 +342,121 @@ def _stream_chunks(plan: _Plan) -> list[bytes]:
     return events
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _GenerateAnswer:
+    """A /generate answer: raw output tokens (markup included), like SGLang's native API."""
+
+    rid: str
+    prompt_ids: list[int]
+    user_text: str
+    tokens: list[tuple[str, float]]
+    finish: dict[str, Any]
+    with_text: bool
+
+    def event(self, upto: int) -> dict[str, Any]:
+        """The answer after `upto` tokens (SGLang streams cumulative text and meta_info)."""
+        done = upto >= len(self.tokens)
+        triples = [
+            [logprob, token_id(piece), piece if self.with_text else None]
+            for piece, logprob in self.tokens[:upto]
+        ]
+        return {
+            "text": "".join(piece for piece, _ in self.tokens[:upto]),
+            "output_ids": [token_id(piece) for piece, _ in self.tokens[:upto]],
+            "meta_info": {
+                "id": self.rid,
+                "finish_reason": self.finish if done else None,
+                "prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": upto,
+                "cached_tokens": 0,
+                "output_token_logprobs": triples,
+            },
+        }
+
+
+_LAST_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
+_TOOL_NAME = re.compile(r'<tools>.*?"name":\s*"([^"]+)"', re.DOTALL)
+
+
+def _generate_answer(
+    body: dict[str, Any], decode: Callable[[list[int]], str] | None
+) -> _GenerateAnswer:
+    input_ids = body.get("input_ids")
+    if isinstance(input_ids, list) and input_ids:
+        prompt_ids = [int(i) for i in input_ids]
+        prompt = decode(prompt_ids) if decode is not None else ""
+    elif isinstance(body.get("text"), str):
+        prompt = body["text"]
+        prompt_ids = [token_id(p) for p in tokenize(prompt)]
+    else:
+        raise _BadRequest("either text or input_ids should be provided")
+    users = _LAST_USER.findall(prompt)
+    user_text = users[-1] if users else ""
+    tool = _TOOL_NAME.search(prompt)
+    rng = random.Random(zlib.crc32(orjson.dumps(prompt_ids)))
+    echo = " ".join(user_text.split()[:_MAX_ECHO_WORDS])
+    raw = ""
+    if "/think" in user_text:
+        raw += f"<think>\n{_REASONING_TEXT}\n</think>\n\n"
+    if tool is not None and "/tool" in user_text:
+        call = orjson.dumps({"name": tool.group(1), "arguments": {"query": echo}}).decode()
+        raw += f"<tool_call>\n{call}\n</tool_call>"
+    else:
+        raw += f"Mock reply {rng.randint(1, 99)}: you said {echo}".rstrip()
+    pieces = tokenize(raw)
+    finish: dict[str, Any] = {"type": "stop", "matched": 151645}
+    params = body.get("sampling_params")
+    limit = params.get("max_new_tokens") if isinstance(params, dict) else None
+    if isinstance(limit, int) and 0 < limit < len(pieces):
+        pieces = pieces[:limit]
+        finish = {"type": "length", "length": limit}
+    return _GenerateAnswer(
+        rid=uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        user_text=user_text,
+        tokens=[(p, -(0.001 + rng.random() * 2.998)) for p in pieces],
+        finish=finish,
+        with_text=bool(body.get("return_text_in_logprobs")),
+    )
+
+
+def _group_body(plans: list[_Plan]) -> dict[str, Any]:
+    """One chat.completion with a choice per plan (n > 1), usage summed."""
+    body = _completion_body(plans[0])
+    for index, plan in enumerate(plans[1:], start=1):
+        choice = _completion_body(plan)["choices"][0]
+        choice["index"] = index
+        body["choices"].append(choice)
+    completion = sum(len(p.tokens) for p in plans)
+    body["usage"]["completion_tokens"] = completion
+    body["usage"]["total_tokens"] = body["usage"]["prompt_tokens"] + completion
+    return body
+
+
+def _group_stream(plans: list[_Plan]) -> list[bytes]:
+    """The SSE events of n > 1 choices, interleaved token by token, one usage chunk, [DONE]."""
+    if len(plans) == 1:
+        return _stream_chunks(plans[0])
+    per_choice: list[list[bytes]] = []
+    for index, plan in enumerate(plans):
+        events = []
+        for raw in _stream_chunks(dataclasses.replace(plan, want_usage=False))[:-1]:
+            chunk = orjson.loads(raw.removeprefix(b"data: "))
+            chunk["choices"][0]["index"] = index
+            if index:
+                chunk.pop("prompt_token_ids", None)
+            if plans[0].want_usage:
+                chunk["usage"] = None
+            events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        per_choice.append(events)
+    out = [e for group in itertools.zip_longest(*per_choice) for e in group if e is not None]
+    if plans[0].want_usage:
+        usage = _group_body(plans)["usage"]
+        out.append(_chunk(plans[0], None, usage=usage))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
 def _error(status: int, message: str, *, code: str | None = None, **headers: str) -> web.Response:
     error_type = {
         401: "invalid_request_error",
@@ -350,7 +495,19 @@ class MockLLM:
         token_interval_ms: float = 0.0,
         model: str = "rollgate-mock",
         api_key: str | None = None,
+        flavor: str = "vllm",
+        strict_model: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"flavor {flavor!r} is not one of {', '.join(FLAVORS)}")
+        # vllm: honours return_token_ids; sglang: SGLang's shapes (chat without ids, /generate);
+        # openai: a hosted API (refuses return_token_ids like OpenAI does).
+        self.flavor = flavor
+        # True: a request for another model gets vLLM's 404 "model does not exist".
+        self.strict_model = strict_model
+        # Reads the prompt text back from /generate's input_ids (tests pass a tokenizer's).
+        self.decode = decode
         self.host = host
         self.port = port
         self.latency_s = latency_ms / 1000
@@ -371,6 +528,7 @@ class MockLLM:
         for prefix in ("/v1", ""):
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
             app.router.add_get(f"{prefix}/models", self._models)
+        app.router.add_post("/generate", self._generate)
         return app
 
     async def __aenter__(self) -> MockLLM:
@@ -420,10 +578,21 @@ class MockLLM:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
         self.stats.last_body = body
+        refused = self._refusal(body)
+        if refused is not None:
+            return refused
         try:
-            plan = _plan(body, self.model)
+            n = body.get("n") or 1
+            plans = [_plan(body, self.model, i) for i in range(n if isinstance(n, int) else 1)]
         except _BadRequest as err:
             return _error(400, str(err))
+        if self.flavor != "vllm":
+            plans = [dataclasses.replace(p, want_token_ids=False) for p in plans]
+        plans = [
+            dataclasses.replace(p, completion_id=plans[0].completion_id, created=plans[0].created)
+            for p in plans
+        ]
+        plan = plans[0]
         user_text = _last_user_text(body["messages"])
         forced = _FAIL.search(user_text)
         if forced:
@@ -436,9 +605,56 @@ class MockLLM:
             await asyncio.sleep(self.latency_s)
         if not plan.stream:
             return web.Response(
-                body=orjson.dumps(_completion_body(plan)), content_type="application/json"
+                body=orjson.dumps(_group_body(plans)), content_type="application/json"
             )
-        return await self._stream(request, plan, midstream_failure="/fail-midstream" in user_text)
+        return await self._stream(
+            request, plan, _group_stream(plans), midstream_failure="/fail-midstream" in user_text
+        )
+
+    def _refusal(self, body: dict[str, Any]) -> web.Response | None:
+        if self.flavor == "openai" and "return_token_ids" in body:
+            return _error(400, "Unrecognized request argument supplied: return_token_ids")
+        model = body.get("model")
+        if self.strict_model and model != self.model:
+            return _error(404, f"The model `{model}` does not exist.", code="model_not_found")
+        return None
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native /generate: input_ids (or text) in, meta_info logprob triples out."""
+        self.stats.requests += 1
+        self.stats.last_headers = dict(request.headers)
+        if not self._authorized(request):
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as err:
+            return _error(400, f"invalid JSON body: {err}")
+        self.stats.last_body = body
+        if not isinstance(body, dict) or self.flavor != "sglang":
+            return _error(404, "Not Found")
+        try:
+            answer = _generate_answer(body, self.decode)
+        except _BadRequest as err:
+            return _error(400, str(err))
+        forced = _FAIL.search(answer.user_text)
+        if forced:
+            status = int(forced.group(1))
+            headers = {"Retry-After": "2"} if status == 429 else {}
+            return _error(status, f"mock failure {status} forced by the request", **headers)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if not body.get("stream"):
+            return web.Response(
+                body=orjson.dumps(answer.event(len(answer.tokens))),
+                content_type="application/json",
+            )
+        events = [
+            b"data: " + orjson.dumps(answer.event(i)) + b"\n\n"
+            for i in range(1, len(answer.tokens) + 1)
+        ]
+        return await self._stream(
+            request, None, [*events, b"data: [DONE]\n\n"], midstream_failure=False, first=0
+        )
 
     async def _hang(self, request: web.Request) -> web.StreamResponse:
         # Waits until the client goes away: the runner cancels handlers on disconnect.
@@ -450,22 +666,27 @@ class MockLLM:
         raise AssertionError("unreachable")
 
     async def _stream(
-        self, request: web.Request, plan: _Plan, *, midstream_failure: bool
+        self,
+        request: web.Request,
+        plan: _Plan | None,
+        events: list[bytes],
+        *,
+        midstream_failure: bool,
+        first: int = 1,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        events = _stream_chunks(plan)
-        last_token = len(plan.tokens)
+        last_token = len(plan.tokens) if plan is not None else len(events) - 2
         try:
             for i, event in enumerate(events):
                 if midstream_failure and i == 2:
                     if request.transport is not None:
                         request.transport.abort()
                     return response
-                if 1 <= i <= last_token:
-                    if self.token_interval_s and i > 1:
+                if first <= i <= last_token:
+                    if self.token_interval_s and i > first:
                         await asyncio.sleep(self.token_interval_s)
                     await response.write(event)
                     self.stats.tokens_streamed += 1
@@ -490,6 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-interval-ms", type=float, default=0.0, help="delay between tokens")
     parser.add_argument("--model", default="rollgate-mock")
     parser.add_argument("--api-key", default=None, help="require this bearer key (401 otherwise)")
+    parser.add_argument(
+        "--flavor", choices=FLAVORS, default="vllm", help="which server's wire shapes to speak"
+    )
+    parser.add_argument(
+        "--strict-model", action="store_true", help="404 for any model but --model (like vLLM)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     mock = MockLLM(
@@ -499,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
         token_interval_ms=args.token_interval_ms,
         model=args.model,
         api_key=args.api_key,
+        flavor=args.flavor,
+        strict_model=args.strict_model,
     )
 
     async def serve() -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from protos import router_pb2_grpc, worker_pb2_grpc
+from services.runtime.config import merged_environ
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
 from services.runtime.logs import configure_logging, get_logger
@@ -18,8 +19,9 @@ from services.worker.adapters import adapter_for
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
+from services.worker.tokenizer import LocalTokenizer
 from services.worker.turns import TurnRunner
-from services.worker.upstream import UpstreamClient
+from services.worker.upstream import RequestPolicy, UpstreamClient
 
 SERVICE_NAME = "rollgate.v1.Worker"
 
@@ -36,10 +38,17 @@ class RunningWorker:
     address: str
 
 
+def _with_aliases(models: list[str], settings: WorkerSettings) -> list[str]:
+    """The served ids plus the aliases (an alias is a model name the router routes here)."""
+    if not models:
+        return []
+    return models + [a for a, _ in settings.upstream_aliases if a not in models]
+
+
 async def discover_models(upstream: UpstreamClient, settings: WorkerSettings) -> list[str]:
-    """The configured models, else the upstream's /models, else [] (any model)."""
+    """The configured models (and aliases), else the upstream's /models, else [] (any model)."""
     if settings.upstream_models:
-        return list(settings.upstream_models)
+        return _with_aliases(list(settings.upstream_models), settings)
     try:
         models = await upstream.list_models(timeout_s=settings.models_timeout_s)
     except Exception as err:  # any failure here only widens what the worker claims to serve
@@ -51,7 +60,27 @@ async def discover_models(upstream: UpstreamClient, settings: WorkerSettings) ->
         )
         return []
     log.info("upstream_models", models=models)
-    return models
+    return _with_aliases(models, settings)
+
+
+def build_runner(upstream: UpstreamClient, settings: WorkerSettings) -> TurnRunner:
+    """The turn runner for the configured upstream kind, aliases, defaults and group size."""
+    tokenizer = LocalTokenizer(settings.tokenizer_path) if settings.tokenizer_path else None
+    adapter = adapter_for(
+        settings.upstream_kind, sglang_path=settings.sglang_path, tokenizer=tokenizer
+    )
+    if adapter.single_sample and settings.n_samples > 1:
+        raise ValueError(
+            "group sampling (ROLLGATE_N_SAMPLES / gconfig.n_samples > 1) is not available on "
+            "the sglang generate path: use sglang_path: chat or kind: vllm"
+        )
+    policy = RequestPolicy(
+        aliases=dict(settings.upstream_aliases),
+        default_max_tokens=settings.default_max_tokens,
+        default_temperature=settings.default_temperature,
+        n_samples=settings.n_samples,
+    )
+    return TurnRunner(upstream=upstream, adapter=adapter, policy=policy, tokenizer=tokenizer)
 
 
 def advertised_address(settings: WorkerSettings, port: int) -> str:
@@ -69,10 +98,14 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
     """A SERVING, registered worker; leaving deregisters, drains, and closes the upstream."""
     async with contextlib.AsyncExitStack() as stack:
         upstream = await stack.enter_async_context(
-            UpstreamClient(base_url=settings.upstream_base_url, api_key=settings.upstream_api_key)
+            UpstreamClient(
+                base_url=settings.upstream_base_url,
+                api_key=settings.upstream_api_key,
+                key_var=settings.upstream_api_key_var,
+            )
         )
+        runner = build_runner(upstream, settings)
         models = await discover_models(upstream, settings)
-        runner = TurnRunner(upstream=upstream, adapter=adapter_for(settings.upstream_kind))
         server = GrpcServer(
             ServerSpec(
                 name="worker",
@@ -106,7 +139,11 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
             address=address,
             upstream=settings.upstream_base_url,
             upstream_kind=settings.upstream_kind,
+            upstream_name=settings.upstream_name,
+            models=models,
+            upstream_key_var=settings.upstream_api_key_var,
             upstream_key_set=bool(settings.upstream_api_key),
+            n_samples=settings.n_samples,
         )
         yield RunningWorker(
             server=server, runner=runner, registration=registration, address=address
@@ -124,9 +161,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
     parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 50061; 0: any)")
+    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
+    parser.add_argument("--upstream", default=None, help="which configured upstream to serve")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
     args = parser.parse_args(argv)
     try:
-        settings = WorkerSettings.from_env(os.environ, host=args.host, port=args.port)
+        environ = merged_environ(
+            os.environ, args.config, args.overrides, "worker", upstream=args.upstream
+        )
+        settings = WorkerSettings.from_env(environ, host=args.host, port=args.port)
+        if settings.tokenizer_path:
+            LocalTokenizer(settings.tokenizer_path)
     except ValueError as err:
         parser.error(str(err))
     configure_logging(service="worker", json_logs=settings.log_json, level=settings.log_level)

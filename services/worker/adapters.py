@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from services.worker.openai_compat import OpenAICompatAdapter
+from services.worker.openai_compat import OpenAICompatAdapter, Translator
+from services.worker.sglang import SglangChatAdapter, SglangGenerateAdapter
+from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import TurnAccumulator
 from services.worker.vllm import VllmAdapter
 
@@ -17,8 +19,25 @@ class UpstreamAdapter(Protocol):
         """The `upstream_kind` written on turn records."""
         ...
 
+    @property
+    def single_sample(self) -> bool:
+        """True when the kind can only ask for one sample per call."""
+        ...
+
+    def endpoint(self, base_url: str) -> str:
+        """The URL this kind POSTs to."""
+        ...
+
     def prepare(self, body: dict[str, Any]) -> None:
         """Adds this kind's fields to the upstream body."""
+
+    def encode(self, body: dict[str, Any]) -> bytes:
+        """The upstream's request bytes for the prepared chat body."""
+        ...
+
+    def translator(self, upstream_body: bytes, model: str) -> Translator:
+        """A per-turn translator of the upstream's JSON into chat JSON."""
+        ...
 
     def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one streamed chunk."""
@@ -27,15 +46,22 @@ class UpstreamAdapter(Protocol):
         """Absorbs one non-streaming completion."""
 
 
-# sglang (issue 4) plugs in here: its own module with the same three methods.
 _ADAPTERS: dict[str, type[UpstreamAdapter]] = {
     OpenAICompatAdapter.kind: OpenAICompatAdapter,
     VllmAdapter.kind: VllmAdapter,
+    SglangChatAdapter.kind: SglangChatAdapter,
 }
 
 
-def adapter_for(kind: str) -> UpstreamAdapter:
-    """The adapter for `kind` (`openai` or `vllm`)."""
+def adapter_for(
+    kind: str, *, sglang_path: str = "chat", tokenizer: LocalTokenizer | None = None
+) -> UpstreamAdapter:
+    """The adapter for `kind` (`openai`, `vllm` or `sglang`; sglang's `generate` path needs
+    a tokenizer)."""
+    if kind == "sglang" and sglang_path == "generate":
+        if tokenizer is None:
+            raise ValueError("the sglang generate path needs a tokenizer (tokenizer.json)")
+        return SglangGenerateAdapter(tokenizer)
     try:
         return _ADAPTERS[kind]()
     except KeyError:

@@ -32,9 +32,12 @@ def _log_failure(request: worker_pb2.GenerateRequest, err: RollgateError) -> Non
 
 def turn_record(result: TurnResult) -> common_pb2.TurnRecord:
     """The `TurnRecord` message of a turn result (same field names)."""
-    return common_pb2.TurnRecord(
-        **{f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-    )
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    fields["extra_samples"] = [
+        common_pb2.TurnSample(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
+        for s in result.extra_samples
+    ]
+    return common_pb2.TurnRecord(**fields)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -5,32 +5,64 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
-from services.runtime.settings import env_float, env_str
+from services.runtime.config import normalize_base_url as config_base_url
+from services.runtime.settings import env_float, env_int, env_str
 
-UPSTREAM_KINDS = ("openai", "vllm")
+UPSTREAM_KINDS = ("openai", "vllm", "sglang")
+DEFAULT_KEY_VAR = "ROLLGATE_UPSTREAM_API_KEY"
 
 
 def normalize_base_url(raw: str) -> str:
     """The upstream base URL ending in `/v1`, validated (no query string, no `/v1/v1`)."""
-    url = raw.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in {"http", "https"} or not parts.netloc:
+    return config_base_url(raw, where="ROLLGATE_UPSTREAM_BASE_URL")
+
+
+def parse_aliases(raw: str) -> tuple[tuple[str, str], ...]:
+    """`alias=served,alias2=served2` as pairs; ValueError naming the bad entry."""
+    pairs: list[tuple[str, str]] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        alias, sep, served = (p.strip() for p in entry.partition("="))
+        if not sep or not alias or not served:
+            raise ValueError(
+                f"ROLLGATE_UPSTREAM_ALIASES entry {entry!r} is not alias=served-model-id"
+            )
+        pairs.append((alias, served))
+    return tuple(pairs)
+
+
+def _optional_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    value = env_int(environ, name, 0)
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive integer")
+    return value
+
+
+def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    value = env_float(environ, name, 0.0)
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must be ≥ 0")
+    return value
+
+
+def _api_key(environ: Mapping[str, str]) -> tuple[str, str]:
+    """(variable name, key): the variable ROLLGATE_UPSTREAM_API_KEY_VAR names, else the default."""
+    var = env_str(environ, "ROLLGATE_UPSTREAM_API_KEY_VAR", DEFAULT_KEY_VAR)
+    key = env_str(environ, var, "")
+    if var != DEFAULT_KEY_VAR and not key:
         raise ValueError(
-            f"ROLLGATE_UPSTREAM_BASE_URL={raw!r} is not an http(s) URL "
-            "(expected e.g. http://127.0.0.1:8000/v1)"
+            f"the upstream key variable {var} (named by the configuration) is not set: "
+            f"export {var}=… in the worker's environment"
         )
-    if parts.query or parts.fragment:
-        raise ValueError(f"ROLLGATE_UPSTREAM_BASE_URL={raw!r} must not have a query string")
-    if url.endswith("/v1/v1"):
-        raise ValueError(f"ROLLGATE_UPSTREAM_BASE_URL={raw!r} ends in /v1/v1: drop one /v1")
-    if url.endswith("/chat/completions"):
-        raise ValueError(
-            f"ROLLGATE_UPSTREAM_BASE_URL={raw!r} names the endpoint: give the base URL "
-            "(ending in /v1) instead"
-        )
-    return url if url.endswith("/v1") else url + "/v1"
+    return var, key
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,7 +79,22 @@ class WorkerSettings:
     upstream_base_url: str = ""
     # Never logged, never in repr.
     upstream_api_key: str = field(default="", repr=False)
+    # The environment variable the key came from: named in "check <VAR>" error messages.
+    upstream_api_key_var: str = DEFAULT_KEY_VAR
     upstream_kind: str = "openai"
+    # The upstream's name in the configuration (logs only).
+    upstream_name: str = ""
+    # (alias, served id): registered with the router as models, rewritten before forwarding.
+    upstream_aliases: tuple[tuple[str, str], ...] = ()
+    # A local tokenizer.json (openai: ids for the record; sglang generate: input_ids).
+    tokenizer_path: str = ""
+    # sglang: "chat" (OpenAI endpoint) or "generate" (native /generate with input_ids).
+    sglang_path: str = "chat"
+    # Applied when the client leaves `max_tokens`/`max_completion_tokens` or `temperature` out.
+    default_max_tokens: int | None = None
+    default_temperature: float | None = None
+    # G > 1: G samples per call upstream; the client gets sample 0, all G are recorded.
+    n_samples: int = 1
     # Empty: ask the upstream's /models at start-up.
     upstream_models: tuple[str, ...] = ()
     upstream_timeout_s: float = 600.0
@@ -72,8 +119,6 @@ class WorkerSettings:
                 "OpenAI base URL (e.g. http://127.0.0.1:8000/v1; `rollgate up` sets it)"
             )
         kind = env_str(environ, "ROLLGATE_UPSTREAM_KIND", "openai").lower()
-        if kind == "sglang":
-            raise ValueError("ROLLGATE_UPSTREAM_KIND=sglang is not supported yet (issue 4)")
         if kind not in UPSTREAM_KINDS:
             raise ValueError(
                 f"ROLLGATE_UPSTREAM_KIND={kind!r} is not one of {', '.join(UPSTREAM_KINDS)}"
@@ -82,6 +127,17 @@ class WorkerSettings:
             m.strip() for m in env_str(environ, "ROLLGATE_UPSTREAM_MODELS", "").split(",")
         )
         log_json_raw = env_str(environ, "ROLLGATE_LOG_JSON", "auto").lower()
+        key_var, key = _api_key(environ)
+        sglang_path = env_str(environ, "ROLLGATE_SGLANG_PATH", "chat").lower()
+        if sglang_path not in ("chat", "generate"):
+            raise ValueError(f"ROLLGATE_SGLANG_PATH={sglang_path!r} is not `chat` or `generate`")
+        tokenizer = env_str(environ, "ROLLGATE_UPSTREAM_TOKENIZER", "")
+        if kind == "sglang" and sglang_path == "generate" and not tokenizer:
+            raise ValueError(
+                "ROLLGATE_SGLANG_PATH=generate needs ROLLGATE_UPSTREAM_TOKENIZER (the path of "
+                "the model's tokenizer.json): the worker sends input_ids"
+            )
+        n_samples = _optional_int(environ, "ROLLGATE_N_SAMPLES") or 1
         return cls(
             host=host or env_str(environ, "ROLLGATE_WORKER_HOST", "127.0.0.1"),
             port=port if port is not None else 50061,
@@ -89,8 +145,16 @@ class WorkerSettings:
             worker_id=env_str(environ, "ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),
             advertise=env_str(environ, "ROLLGATE_WORKER_ADVERTISE", ""),
             upstream_base_url=normalize_base_url(raw_base),
-            upstream_api_key=env_str(environ, "ROLLGATE_UPSTREAM_API_KEY", ""),
+            upstream_api_key=key,
+            upstream_api_key_var=key_var,
             upstream_kind=kind,
+            upstream_name=env_str(environ, "ROLLGATE_UPSTREAM_NAME", ""),
+            upstream_aliases=parse_aliases(env_str(environ, "ROLLGATE_UPSTREAM_ALIASES", "")),
+            tokenizer_path=tokenizer,
+            sglang_path=sglang_path,
+            default_max_tokens=_optional_int(environ, "ROLLGATE_DEFAULT_MAX_TOKENS"),
+            default_temperature=_optional_float(environ, "ROLLGATE_DEFAULT_TEMPERATURE"),
+            n_samples=n_samples,
             upstream_models=tuple(m for m in models if m),
             upstream_timeout_s=env_float(environ, "ROLLGATE_UPSTREAM_TIMEOUT_S", 600.0),
             grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),

@@ -19,6 +19,8 @@ class ClientAsk:
     logprobs: bool
     token_ids: bool
     usage: bool
+    # Group sampling: the upstream returns G choices, the client gets choice 0 only.
+    only_choice_zero: bool = False
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> ClientAsk:
@@ -41,6 +43,18 @@ class TurnTiming:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TurnSample:
+    """One more sample of the same call (group sampling, n > 1); fields of `TurnSample`."""
+
+    finish_reason: str
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    exact_tokens: bool
+    length_mismatch: bool
+    assistant_message_json: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TurnResult:
     """What one LLM call produced; the fields of the `TurnRecord` message, by name."""
 
@@ -59,6 +73,19 @@ class TurnResult:
     length_mismatch: bool
     started_at_unix_s: float
     request_json: bytes
+    # Samples 1..G-1 of a group-sampled call (empty unless n_samples > 1).
+    extra_samples: tuple[TurnSample, ...] = ()
+
+    def sample(self) -> TurnSample:
+        """This record's own sample (sample 0) in the shape of the extra ones."""
+        return TurnSample(
+            finish_reason=self.finish_reason,
+            output_token_ids=self.output_token_ids,
+            output_logprobs=self.output_logprobs,
+            exact_tokens=self.exact_tokens,
+            length_mismatch=self.length_mismatch,
+            assistant_message_json=self.assistant_message_json,
+        )
 
 
 def choice_zero(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -72,13 +99,21 @@ def choice_zero(body: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _logprob_values(logprobs: Any) -> list[float]:
+def _logprob_entries(logprobs: Any) -> list[dict[str, Any]]:
     if not isinstance(logprobs, dict):
         return []
     content = logprobs.get("content")
     if not isinstance(content, list):
         return []
-    return [float(e["logprob"]) for e in content if isinstance(e, dict) and "logprob" in e]
+    return [e for e in content if isinstance(e, dict) and "logprob" in e]
+
+
+def _entry_bytes(entry: dict[str, Any]) -> bytes:
+    raw = entry.get("bytes")
+    if isinstance(raw, list):
+        return bytes(int(b) & 0xFF for b in raw)
+    token = entry.get("token")
+    return token.encode() if isinstance(token, str) else b""
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -99,6 +134,8 @@ class TurnAccumulator:
         self.message: dict[str, Any] | None = None
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.logprobs: list[float] = []
+        # The bytes of each sampled token as the logprobs name them (for re-tokenizing).
+        self.sampled_bytes: list[bytes] = []
         self.usage: dict[str, Any] | None = None
         # None: the upstream gave no ids (not the same as an empty output).
         self.prompt_token_ids: list[int] | None = None
@@ -124,9 +161,7 @@ class TurnAccumulator:
         delta = choice.get("delta")
         if isinstance(delta, dict):
             self._add_delta(delta)
-        values = _logprob_values(choice.get("logprobs"))
-        if values:
-            self.logprobs.extend(values)
+        if self._add_logprobs(choice.get("logprobs")):
             self.output_seen = True
         if isinstance(choice.get("finish_reason"), str):
             self.finish_reason = choice["finish_reason"]
@@ -176,9 +211,23 @@ class TurnAccumulator:
         message = choice.get("message")
         if isinstance(message, dict):
             self.message = message
-        self.logprobs.extend(_logprob_values(choice.get("logprobs")))
+        self._add_logprobs(choice.get("logprobs"))
         if isinstance(choice.get("finish_reason"), str):
             self.finish_reason = choice["finish_reason"]
+
+    def _add_logprobs(self, logprobs: Any) -> bool:
+        entries = _logprob_entries(logprobs)
+        for entry in entries:
+            self.logprobs.append(float(entry["logprob"]))
+            self.sampled_bytes.append(_entry_bytes(entry))
+        return bool(entries)
+
+    def sampled_text(self) -> str:
+        """The sampled output as text: the logprobs' token bytes, else reasoning + content."""
+        if self.sampled_bytes:
+            return b"".join(self.sampled_bytes).decode(errors="replace")
+        message = self.assistant_message()
+        return str(message.get("reasoning_content") or "") + str(message.get("content") or "")
 
     def add_token_ids(self, body: dict[str, Any]) -> None:
         """Absorbs vLLM's `prompt_token_ids` (top level or choice) and `choices[0].token_ids`."""
@@ -266,9 +315,20 @@ def _strip_choices(body: dict[str, Any], ask: ClientAsk) -> None:
                 choice.pop(name, None)
 
 
+def _keep_choice_zero(body: dict[str, Any]) -> bool:
+    """Drops choices other than 0; False when the body only carried other choices."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return True
+    body["choices"] = [c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0]
+    return bool(body["choices"])
+
+
 def client_chunk(chunk: dict[str, Any], ask: ClientAsk) -> dict[str, Any] | None:
     """The chunk as the client should see it (modified in place), or None to drop it."""
     if not chunk.get("choices") and chunk.get("usage") is not None and not ask.usage:
+        return None
+    if ask.only_choice_zero and not _keep_choice_zero(chunk):
         return None
     _strip_choices(chunk, ask)
     return chunk
@@ -276,5 +336,25 @@ def client_chunk(chunk: dict[str, Any], ask: ClientAsk) -> dict[str, Any] | None
 
 def client_completion(body: dict[str, Any], ask: ClientAsk) -> dict[str, Any]:
     """The completion body as the client should see it (modified in place)."""
+    if ask.only_choice_zero:
+        _keep_choice_zero(body)
     _strip_choices(body, ask)
     return body
+
+
+def split_choices(body: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """One body per choice index, each carrying that choice as index 0 (for group sampling).
+
+    A body without choices (the usage chunk) goes to index 0.
+    """
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return {0: body}
+    out: dict[int, dict[str, Any]] = {}
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        index = choice.get("index", 0)
+        index = index if isinstance(index, int) else 0
+        out[index] = {**body, "choices": [{**choice, "index": 0}]}
+    return out

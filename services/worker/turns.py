@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -13,16 +14,21 @@ import orjson
 from services.runtime.errors import UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.adapters import UpstreamAdapter
+from services.worker.chat_template import render_chatml
+from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import (
     TurnAccumulator,
     TurnResult,
     TurnTiming,
     client_chunk,
     client_completion,
+    split_choices,
 )
 from services.worker.upstream import (
     DONE,
+    RequestPolicy,
     UpstreamClient,
+    UpstreamRequest,
     build_upstream_request,
     parse_client_body,
 )
@@ -73,80 +79,176 @@ class _Clock:
         )
 
 
+class _Group:
+    """The accumulators of one call: sample 0 (what the client sees) and the extra samples."""
+
+    def __init__(self, adapter: UpstreamAdapter) -> None:
+        self._adapter = adapter
+        self.samples: dict[int, TurnAccumulator] = {0: TurnAccumulator()}
+
+    @property
+    def main(self) -> TurnAccumulator:
+        return self.samples[0]
+
+    def _acc(self, index: int) -> TurnAccumulator:
+        return self.samples.setdefault(index, TurnAccumulator())
+
+    def read_chunk(self, chunk: dict[str, Any]) -> None:
+        choices = chunk.get("choices")
+        if not isinstance(choices, list) or (len(choices) <= 1 and _index_zero(choices)):
+            self._adapter.read_chunk(chunk, self.main)
+            return
+        for index, part in split_choices(chunk).items():
+            self._adapter.read_chunk(part, self._acc(index))
+
+    def read_completion(self, body: dict[str, Any]) -> None:
+        for index, part in split_choices(body).items():
+            self._adapter.read_completion(part, self._acc(index))
+
+    def finished(self) -> bool:
+        return all(acc.finish_reason for acc in self.samples.values())
+
+
+def _index_zero(choices: list[Any]) -> bool:
+    return not choices or (isinstance(choices[0], dict) and choices[0].get("index", 0) == 0)
+
+
 class TurnRunner:
     """Calls the upstream for one turn at a time per call, and counts the turns in flight."""
 
-    def __init__(self, *, upstream: UpstreamClient, adapter: UpstreamAdapter) -> None:
+    def __init__(
+        self,
+        *,
+        upstream: UpstreamClient,
+        adapter: UpstreamAdapter,
+        policy: RequestPolicy | None = None,
+        tokenizer: LocalTokenizer | None = None,
+    ) -> None:
         self._upstream = upstream
         self._adapter = adapter
+        self._policy = policy or RequestPolicy()
+        # Ids for upstreams that give none (exact_tokens stays false).
+        self._tokenizer = tokenizer
+        self._url = adapter.endpoint(upstream.base_url)
         self._in_flight = 0
+        # Turns whose logprob count differed from their id count (flagged, never padded).
+        self.length_mismatches = 0
 
     @property
     def in_flight(self) -> int:
         """Turns running now (reported on heartbeats)."""
         return self._in_flight
 
+    def _request(self, body_json: bytes, *, stream: bool) -> UpstreamRequest:
+        return build_upstream_request(
+            parse_client_body(body_json),
+            stream=stream,
+            prepare=self._adapter.prepare,
+            policy=self._policy,
+            encode=self._adapter.encode,
+        )
+
+    def _record(self, group: _Group, request: UpstreamRequest, clock: _Clock) -> TurnResult:
+        kind, timing = self._adapter.kind, clock.timing()
+        results = {
+            index: self._retokenized(
+                acc,
+                acc.result(kind=kind, request_json=request.request_json, timing=timing),
+                request,
+            )
+            for index, acc in sorted(group.samples.items())
+        }
+        main = results.pop(0)
+        record = dataclasses.replace(
+            main, extra_samples=tuple(r.sample() for r in results.values())
+        )
+        mismatched = [s for s in (record.sample(), *record.extra_samples) if s.length_mismatch]
+        if mismatched:
+            self.length_mismatches += len(mismatched)
+            log.warning(
+                "length_mismatch",
+                interaction_id=record.interaction_id,
+                logprobs=len(record.output_logprobs),
+                output_ids=len(record.output_token_ids),
+                total=self.length_mismatches,
+            )
+        return record
+
+    def _retokenized(
+        self, acc: TurnAccumulator, result: TurnResult, request: UpstreamRequest
+    ) -> TurnResult:
+        if result.exact_tokens or self._tokenizer is None:
+            return result
+        ids = self._tokenizer.encode(acc.sampled_text())
+        prompt = self._tokenizer.encode(render_chatml(request.messages, request.tools))
+        return dataclasses.replace(
+            result,
+            prompt_token_ids=result.prompt_token_ids or prompt,
+            output_token_ids=ids,
+            exact_tokens=False,
+            length_mismatch=len(ids) != len(result.output_logprobs),
+        )
+
     async def stream(
         self, body_json: bytes, *, budget_s: float
     ) -> AsyncGenerator[list[bytes] | TurnResult, None]:
         """Batches of client chunks as they arrive, then the turn's record; raises RollgateError."""
-        request = build_upstream_request(
-            parse_client_body(body_json), stream=True, prepare=self._adapter.prepare
-        )
+        request = self._request(body_json, stream=True)
+        translator = self._adapter.translator(request.body, request.model)
         deadline = asyncio.get_running_loop().time() + budget_s
-        acc = TurnAccumulator()
+        group = _Group(self._adapter)
         clock = _Clock()
         done = False
         self._in_flight += 1
         try:
-            async with self._upstream.post_chat(request.body, deadline=deadline) as response:
+            async with self._upstream.post_chat(
+                request.body, deadline=deadline, url=self._url
+            ) as response:
                 async for payloads in self._upstream.read_events(response, deadline=deadline):
                     batch: list[bytes] = []
                     for payload in payloads:
                         if payload == DONE:
                             done = True
                             break
-                        chunk = _parse_chunk(payload)
-                        self._adapter.read_chunk(chunk, acc)
-                        if acc.output_seen:
-                            clock.mark_first_token()
-                        view = client_chunk(chunk, request.ask)
-                        if view is not None:
-                            batch.append(orjson.dumps(view))
+                        for chunk in translator.events(_parse_chunk(payload)):
+                            group.read_chunk(chunk)
+                            if group.main.output_seen:
+                                clock.mark_first_token()
+                            view = client_chunk(chunk, request.ask)
+                            if view is not None:
+                                batch.append(orjson.dumps(view))
                     if batch:
                         yield batch
                     if done:
                         break
-            if not done and not acc.finish_reason:
+            if not done and not group.finished():
                 raise UpstreamError(
                     "the upstream ended its stream before the answer was complete",
                     code="upstream_broken_stream",
                 )
-            yield acc.result(
-                kind=self._adapter.kind, request_json=request.request_json, timing=clock.timing()
-            )
+            yield self._record(group, request, clock)
         finally:
             self._in_flight -= 1
 
     async def complete(self, body_json: bytes, *, budget_s: float) -> CompletedTurn:
         """One non-streaming upstream call: the client's body and the record."""
-        request = build_upstream_request(
-            parse_client_body(body_json), stream=False, prepare=self._adapter.prepare
-        )
+        request = self._request(body_json, stream=False)
+        translator = self._adapter.translator(request.body, request.model)
         deadline = asyncio.get_running_loop().time() + budget_s
-        acc = TurnAccumulator()
+        group = _Group(self._adapter)
         clock = _Clock()
         self._in_flight += 1
         try:
-            async with self._upstream.post_chat(request.body, deadline=deadline) as response:
-                body = await self._upstream.read_json(response, deadline=deadline)
-            if not isinstance(body, dict):
+            async with self._upstream.post_chat(
+                request.body, deadline=deadline, url=self._url
+            ) as response:
+                answer = await self._upstream.read_json(response, deadline=deadline)
+            if not isinstance(answer, dict):
                 raise UpstreamError("the upstream answered with JSON that is not an object")
-            self._adapter.read_completion(body, acc)
+            body = translator.completion(answer)
+            group.read_completion(body)
             clock.mark_first_token()
-            record = acc.result(
-                kind=self._adapter.kind, request_json=request.request_json, timing=clock.timing()
-            )
+            record = self._record(group, request, clock)
             return CompletedTurn(
                 body_json=orjson.dumps(client_completion(body, request.ask)), record=record
             )

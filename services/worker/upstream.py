@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -58,6 +59,37 @@ class UpstreamRequest:
     request_json: bytes
     ask: ClientAsk
     model: str
+    # The forwarded messages and tools (for templates that re-render the prompt).
+    messages: list[Any] = field(default_factory=list)
+    tools: list[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestPolicy:
+    """What the server's configuration adds to every request: aliases, defaults, group size."""
+
+    # alias → served model id.
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    default_max_tokens: int | None = None
+    default_temperature: float | None = None
+    # G > 1: ask the upstream for G samples (`n`); the client sees sample 0 only.
+    n_samples: int = 1
+
+
+def _apply_policy(body: dict[str, Any], policy: RequestPolicy) -> None:
+    model = body.get("model")
+    if isinstance(model, str) and model in policy.aliases:
+        body["model"] = policy.aliases[model]
+    if (
+        policy.default_max_tokens is not None
+        and body.get("max_tokens") is None
+        and body.get("max_completion_tokens") is None
+    ):
+        body["max_tokens"] = policy.default_max_tokens
+    if policy.default_temperature is not None and body.get("temperature") is None:
+        body["temperature"] = policy.default_temperature
+    if policy.n_samples > 1:
+        body["n"] = policy.n_samples
 
 
 def parse_client_body(body_json: bytes) -> dict[str, Any]:
@@ -74,12 +106,25 @@ def parse_client_body(body_json: bytes) -> dict[str, Any]:
 
 
 def build_upstream_request(
-    body: dict[str, Any], *, stream: bool, prepare: Callable[[dict[str, Any]], None]
+    body: dict[str, Any],
+    *,
+    stream: bool,
+    prepare: Callable[[dict[str, Any]], None],
+    policy: RequestPolicy | None = None,
+    encode: Callable[[dict[str, Any]], bytes] = orjson.dumps,
 ) -> UpstreamRequest:
-    """Strips the denylist, forces logprobs (and usage when streaming); `prepare` adds the rest."""
+    """Strips the denylist, forces logprobs (and usage when streaming); `prepare` adds the rest.
+
+    `policy` rewrites an alias to its served id and fills in default sampling parameters the
+    client left out; `encode` turns the chat body into the upstream's bytes (its own format).
+    """
+    policy = policy or RequestPolicy()
     ask = ClientAsk.of(body)
+    if policy.n_samples > 1:
+        ask = dataclasses.replace(ask, only_choice_zero=True)
     for name in DENYLIST & body.keys():
         del body[name]
+    _apply_policy(body, policy)
     body["logprobs"] = True
     if not ask.logprobs:
         body.pop("top_logprobs", None)
@@ -94,10 +139,12 @@ def build_upstream_request(
         recorded["tools"] = body["tools"]
     model = body.get("model")
     return UpstreamRequest(
-        body=orjson.dumps(body),
+        body=encode(body),
         request_json=orjson.dumps(recorded),
         ask=ask,
         model=model if isinstance(model, str) else "",
+        messages=body["messages"],
+        tools=body["tools"] if isinstance(body.get("tools"), list) else None,
     )
 
 
@@ -159,13 +206,18 @@ def _retry_after_s(headers: CIMultiDictProxy[str]) -> float | None:
 
 
 def error_for_status(
-    status: int, body: bytes, headers: CIMultiDictProxy[str], *, url: str
+    status: int,
+    body: bytes,
+    headers: CIMultiDictProxy[str],
+    *,
+    url: str,
+    key_var: str = "ROLLGATE_UPSTREAM_API_KEY",
 ) -> RollgateError:
-    """The rollgate error for an upstream HTTP error answer."""
+    """The rollgate error for an upstream HTTP error answer (never echoing the key)."""
     message = _error_message(body)
     if status in (401, 403):
         return UpstreamError(
-            "the upstream rejected the server's API key (check ROLLGATE_UPSTREAM_API_KEY)",
+            f"the upstream rejected the server's API key (check {key_var})",
             code="upstream_auth_failed",
         )
     if status == 404:
@@ -188,9 +240,19 @@ def error_for_status(
 class UpstreamClient:
     """One aiohttp session to the upstream, opened and closed by `async with`."""
 
-    def __init__(self, *, base_url: str, api_key: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str,
+        key_var: str = "ROLLGATE_UPSTREAM_API_KEY",
+        connect_timeout_s: float = 10.0,
+    ) -> None:
         self.base_url = base_url
         self.chat_url = base_url + "/chat/completions"
+        # The server root (without /v1): SGLang's native endpoints live there.
+        self.root_url = base_url.removesuffix("/v1")
+        self.key_var = key_var
         self._api_key = api_key
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -223,34 +285,37 @@ class UpstreamClient:
             body = await resp.read()
             if resp.status != 200:
                 raise error_for_status(
-                    resp.status, body, resp.headers, url=self.base_url + "/models"
+                    resp.status,
+                    body,
+                    resp.headers,
+                    url=self.base_url + "/models",
+                    key_var=self.key_var,
                 )
         data = orjson.loads(body).get("data") or []
         return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
 
     @contextlib.asynccontextmanager
     async def post_chat(
-        self, body: bytes, *, deadline: float
+        self, body: bytes, *, deadline: float, url: str | None = None
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POSTs to /chat/completions; yields a 200 response, closed on exit, or raises."""
+        """POSTs to /chat/completions (or `url`); yields a 200 response, closed on exit."""
+        url = url or self.chat_url
         try:
             async with asyncio.timeout_at(deadline):
                 response = await self.session.post(
-                    self.chat_url, data=body, headers={"Content-Type": "application/json"}
+                    url, data=body, headers={"Content-Type": "application/json"}
                 )
         except TimeoutError:
-            raise UpstreamTimeout(
-                f"the upstream at {self.chat_url} did not answer in time"
-            ) from None
+            raise UpstreamTimeout(f"the upstream at {url} did not answer in time") from None
         except aiohttp.ClientConnectorError as err:
             if isinstance(err.os_error, ConnectionRefusedError):
                 raise Unavailable(
-                    f"the upstream at {self.chat_url} refused the connection",
+                    f"the upstream at {url} refused the connection",
                     code="upstream_unavailable",
                     retry_after_s=1.0,
                 ) from None
             raise Unavailable(
-                f"the upstream at {self.chat_url} could not be reached ({err.os_error})",
+                f"the upstream at {url} could not be reached ({err.os_error})",
                 code="upstream_unavailable",
                 retry_after_s=1.0,
             ) from None
@@ -260,7 +325,7 @@ class UpstreamClient:
             if response.status != 200:
                 error_body = await self._read_error_body(response, deadline=deadline)
                 raise error_for_status(
-                    response.status, error_body, response.headers, url=self.chat_url
+                    response.status, error_body, response.headers, url=url, key_var=self.key_var
                 )
             yield response
         finally:

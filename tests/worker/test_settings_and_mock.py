@@ -49,7 +49,13 @@ def test_settings_defaults() -> None:
     ("environ", "message"),
     [
         ({}, "ROLLGATE_UPSTREAM_BASE_URL is not set"),
-        ({**BASE, "ROLLGATE_UPSTREAM_KIND": "sglang"}, "issue 4"),
+        (
+            {**BASE, "ROLLGATE_UPSTREAM_KIND": "sglang", "ROLLGATE_SGLANG_PATH": "generate"},
+            "needs ROLLGATE_UPSTREAM_TOKENIZER",
+        ),
+        ({**BASE, "ROLLGATE_UPSTREAM_API_KEY_VAR": "TAOTOKEN_API_KEY"}, "export TAOTOKEN"),
+        ({**BASE, "ROLLGATE_UPSTREAM_ALIASES": "qwen"}, "alias=served"),
+        ({**BASE, "ROLLGATE_N_SAMPLES": "0"}, "positive integer"),
         ({**BASE, "ROLLGATE_UPSTREAM_KIND": "tgi"}, "not one of"),
     ],
 )
