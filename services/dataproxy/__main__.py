@@ -12,6 +12,10 @@ import redis.asyncio as aioredis
 
 from protos import dataproxy_pb2_grpc, trainer_pb2_grpc
 from services.dataproxy.chat import TurnRunner
+from services.dataproxy.conversations_servicer import (
+    add_ConversationsServicer_to_server,
+    build_conversations,
+)
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.servicer import DataProxyServicer
@@ -23,7 +27,7 @@ from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_s
 from services.runtime.logs import configure_logging, get_logger
 from services.runtime.redis_conn import open_redis
 
-SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer")
+SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer", "rollgate.v1.Conversations")
 REDIS_PING_TIMEOUT_S = 5.0
 
 log = get_logger(__name__)
@@ -75,6 +79,9 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             build_dataproxy(redis=redis, settings=settings, channels=channels), server.server
         )
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
+        add_ConversationsServicer_to_server(
+            build_conversations(redis=redis, prefix=settings.redis_prefix), server.server
+        )
         # Entered last, so it stops first: in-flight turns drain while Redis and channels live.
         await stack.enter_async_context(server)
         # Runs before the server stops: open trainer pulls end now instead of holding the grace.

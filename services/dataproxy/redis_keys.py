@@ -57,3 +57,19 @@ class RedisKeys:
     def session_seq(self) -> str:
         """Counter behind session ids `<task_id>-<n>`."""
         return f"{self.prefix}seq:session"
+
+    def conversation(self, key_id: str, name: str) -> str:
+        """List of chat messages (JSON) of one server-kept conversation of a key."""
+        return f"{self.prefix}conv:{key_id}:{name}"
+
+    def conversation_lease(self, key_id: str, name: str) -> str:
+        """String holding the id of the run that holds the conversation's turn lease."""
+        return f"{self.prefix}convlease:{key_id}:{name}"
+
+    def response(self, key_id: str, response_id: str) -> str:
+        """Hash of one stored Responses response: response, parent, chain, chain_len."""
+        return f"{self.prefix}resp:{key_id}:{response_id}"
+
+    def response_chain(self, key_id: str, chain_id: str) -> str:
+        """List of the items (JSON) of one Responses chain, materialized in order."""
+        return f"{self.prefix}rchain:{key_id}:{chain_id}"

@@ -1,0 +1,283 @@
+"""Server-kept conversation state in Redis: WebSocket histories, turn leases, Responses chains.
+
+Everything is keyed by the session key's id, not the episode, so it survives a refresh. Each
+operation is one Lua script (one round trip) that also checks that the key exists.
+
+Responses chains: a response stores its own input + output items once, appended to its chain's
+materialized item list (`rchain`), and remembers the chain and the chain's length at its end.
+Continuing from the chain's tip appends (O(new items)); continuing from an older response (a
+fork) copies that response's prefix into a new chain once. So turn n of a linear chain costs
+two round trips (read the chain, store the turn) and storage grows linearly with the chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from services.dataproxy.redis_keys import RedisKeys
+from services.runtime.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
+from services.runtime.keys import key_id_of
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+# Idle conversations and stored responses are dropped after this long (OpenAI keeps 30 days).
+STATE_TTL_S = 30 * 24 * 3600
+MAX_LEASE_MS = 15 * 60 * 1000
+MAX_NAME_LEN = 512
+UNKNOWN_KEY = "unknown session key: use the sk-sess-… key returned by /rl/start_session"
+
+# Lua: `unpack` is bounded by the C stack, so pushes go in batches.
+_PUSH_ALL = """
+local function push_all(key, items, from)
+  local n = redis.call('LLEN', key)
+  for i = from, #items, 500 do
+    n = redis.call('RPUSH', key, unpack(items, i, math.min(i + 499, #items)))
+  end
+  return n
+end
+"""
+
+_GET_MESSAGES = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
+local total = redis.call('LLEN', KEYS[2])
+local limit = tonumber(ARGV[1])
+local start = 0
+if limit > 0 and total > limit then start = total - limit end
+local out = {'ok', total}
+for _, m in ipairs(redis.call('LRANGE', KEYS[2], start, -1)) do out[#out + 1] = m end
+return out
+"""
+
+_APPEND_MESSAGES = (
+    _PUSH_ALL
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
+if ARGV[1] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[1] then return {'not_holder', 0} end
+local n = push_all(KEYS[2], ARGV, 3)
+if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+return {'ok', n}
+"""
+)
+
+_RESET = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
+local n = redis.call('LLEN', KEYS[2])
+redis.call('DEL', KEYS[2])
+return {'ok', n}
+"""
+
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
+local holder = redis.call('GET', KEYS[2])
+if holder == false or holder == ARGV[1] then
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  return {'granted', 0}
+end
+return {'held', redis.call('PTTL', KEYS[2])}
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+# KEYS: key hash, new response hash, parent response hash, new chain list.
+# ARGV: parent id, ttl_s, response json, items...
+_PUT_RESPONSE = (
+    _PUSH_ALL
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
+local chain = KEYS[4]
+if ARGV[1] ~= '' then
+  local parent = redis.call('HMGET', KEYS[3], 'chain', 'chain_len')
+  if parent[1] == false then return {'parent_not_found', 0} end
+  local parent_len = tonumber(parent[2])
+  if redis.call('LLEN', parent[1]) == parent_len then
+    chain = parent[1]
+  else
+    redis.call('DEL', chain)
+    push_all(chain, redis.call('LRANGE', parent[1], 0, parent_len - 1), 1)
+  end
+end
+local n = push_all(chain, ARGV, 4)
+redis.call('HSET', KEYS[2], 'response', ARGV[3], 'parent', ARGV[1], 'chain', chain,
+  'chain_len', n)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('EXPIRE', chain, ARGV[2])
+return {'ok', n}
+"""
+)
+
+_GET_RESPONSE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key'} end
+local r = redis.call('HMGET', KEYS[2], 'response', 'chain', 'chain_len')
+if r[1] == false then return {'not_found'} end
+local out = {'ok', r[1]}
+if ARGV[1] == '1' then
+  for _, item in ipairs(redis.call('LRANGE', r[2], 0, tonumber(r[3]) - 1)) do
+    out[#out + 1] = item
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Messages:
+    """The tail of a conversation and how many messages it holds in all."""
+
+    messages: list[bytes]
+    total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lease:
+    """The outcome of a lease request."""
+
+    granted: bool
+    retry_after_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredResponse:
+    """A stored response and, when asked, the items of its chain."""
+
+    response_json: bytes
+    chain_items: list[bytes]
+
+
+def _status(reply: list[Any]) -> str:
+    head = reply[0]
+    return head.decode() if isinstance(head, bytes) else str(head)
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or len(name) > MAX_NAME_LEN:
+        raise InvalidRequest(f"{what} must be 1 to {MAX_NAME_LEN} characters")
+
+
+class ConversationStore:
+    """Conversations, turn leases and stored responses of session keys, in Redis."""
+
+    def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._get_messages = redis.register_script(_GET_MESSAGES)
+        self._append = redis.register_script(_APPEND_MESSAGES)
+        self._reset = redis.register_script(_RESET)
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._release = redis.register_script(_RELEASE)
+        self._put_response = redis.register_script(_PUT_RESPONSE)
+        self._get_response = redis.register_script(_GET_RESPONSE)
+
+    def _conv_keys(self, digest: str, name: str) -> tuple[str, str, str]:
+        _check_name(name, "the conversation name")
+        key_id = key_id_of(digest)
+        return (
+            self._keys.key(digest),
+            self._keys.conversation(key_id, name),
+            self._keys.conversation_lease(key_id, name),
+        )
+
+    async def messages(self, digest: str, name: str, *, limit: int) -> Messages:
+        """The last `limit` messages (all when limit <= 0), oldest first."""
+        key, conv, _ = self._conv_keys(digest, name)
+        reply = await self._get_messages(keys=[key, conv], args=[limit])
+        _raise_for(reply)
+        return Messages(messages=list(reply[2:]), total=int(reply[1]))
+
+    async def append(self, digest: str, name: str, *, messages: list[bytes], holder: str) -> int:
+        """Appends messages (checking the lease when `holder` is set); the new total."""
+        key, conv, lease = self._conv_keys(digest, name)
+        reply = await self._append(keys=[key, conv, lease], args=[holder, STATE_TTL_S, *messages])
+        if _status(reply) == "not_holder":
+            raise Conflict(
+                "this run no longer holds the conversation's turn lease", code="lease_lost"
+            )
+        _raise_for(reply)
+        return int(reply[1])
+
+    async def reset(self, digest: str, name: str) -> int:
+        """Drops the conversation's history; how many messages it held."""
+        key, conv, _ = self._conv_keys(digest, name)
+        reply = await self._reset(keys=[key, conv])
+        _raise_for(reply)
+        log.info("conversation_reset", key_id=key_id_of(digest), dropped=int(reply[1]))
+        return int(reply[1])
+
+    async def acquire(self, digest: str, name: str, *, holder: str, lease_ms: int) -> Lease:
+        """Takes or extends the turn lease for `holder`."""
+        _check_name(holder, "the lease holder")
+        if not 0 < lease_ms <= MAX_LEASE_MS:
+            raise InvalidRequest(f"lease_ms must be in 1..{MAX_LEASE_MS}")
+        key, _, lease = self._conv_keys(digest, name)
+        reply = await self._acquire(keys=[key, lease], args=[holder, lease_ms])
+        _raise_for(reply)
+        if _status(reply) == "granted":
+            return Lease(granted=True, retry_after_ms=0)
+        return Lease(granted=False, retry_after_ms=max(1, int(reply[1])))
+
+    async def release(self, digest: str, name: str, *, holder: str) -> bool:
+        """Releases the lease if `holder` still holds it."""
+        _, _, lease = self._conv_keys(digest, name)
+        return bool(await self._release(keys=[lease], args=[holder]))
+
+    async def put_response(
+        self,
+        digest: str,
+        *,
+        response_id: str,
+        previous_response_id: str,
+        items: list[bytes],
+        response_json: bytes,
+    ) -> int:
+        """Stores a response after its parent; the length of its chain."""
+        _check_name(response_id, "the response id")
+        key_id = key_id_of(digest)
+        reply = await self._put_response(
+            keys=[
+                self._keys.key(digest),
+                self._keys.response(key_id, response_id),
+                self._keys.response(key_id, previous_response_id or response_id),
+                self._keys.response_chain(key_id, response_id),
+            ],
+            args=[previous_response_id, STATE_TTL_S, response_json, *items],
+        )
+        if _status(reply) == "parent_not_found":
+            raise _response_not_found(previous_response_id)
+        _raise_for(reply)
+        return int(reply[1])
+
+    async def get_response(
+        self, digest: str, response_id: str, *, include_chain: bool
+    ) -> StoredResponse:
+        """A stored response (NotFound `previous_response_not_found` when unknown)."""
+        _check_name(response_id, "the response id")
+        reply = await self._get_response(
+            keys=[self._keys.key(digest), self._keys.response(key_id_of(digest), response_id)],
+            args=["1" if include_chain else "0"],
+        )
+        if _status(reply) == "not_found":
+            raise _response_not_found(response_id)
+        _raise_for(reply)
+        return StoredResponse(response_json=reply[1], chain_items=list(reply[2:]))
+
+
+def _response_not_found(response_id: str) -> NotFound:
+    return NotFound(
+        f"no stored response {response_id!r} for this key (it was never stored, "
+        "was created with store: false, or expired)",
+        code="previous_response_not_found",
+    )
+
+
+def _raise_for(reply: list[Any]) -> None:
+    if _status(reply) == "unknown_key":
+        raise Unauthenticated(UNKNOWN_KEY)
