@@ -1,13 +1,15 @@
-"""`rollgate trajectories tail`: watch published trajectories without consuming them."""
+"""`rollgate trajectories tail|export`: watch or dump published trajectories, never consuming."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ STACK_FILE = Path.home() / ".rollgate" / "stack.json"
 _BLOCK_MS = 1000
 _SOCKET_TIMEOUT_S = 5.0
 _BATCH = 100
+DEFAULT_EXPORT_NAME = "default"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,26 +65,13 @@ def tail_main(argv: list[str]) -> int:
 
 def parse_args(argv: list[str], environ: Mapping[str, str], stack_file: Path) -> TailOptions:
     """Options from the command line, the environment and `rollgate up`'s state file."""
-    stack = _stack_state(stack_file)
     parser = argparse.ArgumentParser(
         prog="rollgate trajectories tail",
         description="Print published trajectories. Only observes (XREAD/XRANGE): it never "
         "joins a consumer group, so it is safe next to a trainer. With no position or "
         "count it shows the stream from the start and keeps following.",
     )
-    parser.add_argument(
-        "--redis-url",
-        default=environ.get("ROLLGATE_REDIS_URL")
-        or environ.get("REDIS_URL")
-        or stack.get("redis_url")
-        or DEFAULT_REDIS_URL,
-        help="default: ROLLGATE_REDIS_URL, REDIS_URL, ~/.rollgate/stack.json, local 6379",
-    )
-    parser.add_argument(
-        "--prefix",
-        default=environ.get("ROLLGATE_REDIS_PREFIX") or stack.get("redis_prefix") or "rg:",
-        help="Redis key prefix (default: ROLLGATE_REDIS_PREFIX, the stack's, or rg:)",
-    )
+    _add_redis_args(parser, environ, stack_file)
     parser.add_argument("--json", action="store_true", help="one JSON object per trajectory")
     position = parser.add_mutually_exclusive_group()
     position.add_argument("--from-start", action="store_true", help="read the whole stream")
@@ -100,6 +90,25 @@ def parse_args(argv: list[str], environ: Mapping[str, str], stack_file: Path) ->
         start_id="0-0" if from_start else "$",
         count=args.count,
         timeout_s=args.timeout_s,
+    )
+
+
+def _add_redis_args(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str], stack_file: Path
+) -> None:
+    stack = _stack_state(stack_file)
+    parser.add_argument(
+        "--redis-url",
+        default=environ.get("ROLLGATE_REDIS_URL")
+        or environ.get("REDIS_URL")
+        or stack.get("redis_url")
+        or DEFAULT_REDIS_URL,
+        help="default: ROLLGATE_REDIS_URL, REDIS_URL, ~/.rollgate/stack.json, local 6379",
+    )
+    parser.add_argument(
+        "--prefix",
+        default=environ.get("ROLLGATE_REDIS_PREFIX") or stack.get("redis_prefix") or "rg:",
+        help="Redis key prefix (default: ROLLGATE_REDIS_PREFIX, the stack's, or rg:)",
     )
 
 
@@ -138,6 +147,214 @@ def summary_line(stream_id: str, trajectory: Trajectory) -> str:
     )
 
 
+# --- export ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExportOptions:
+    """Where to write, which entries, and which cursor remembers what was exported."""
+
+    redis_url: str
+    prefix: str
+    out: str  # a path, or "-" for stdout
+    append: bool
+    from_id: str | None
+    to_id: str | None
+    everything: bool
+    name: str
+
+    @property
+    def uses_cursor(self) -> bool:
+        """Only the default mode (no range, no --all) reads and moves the cursor."""
+        return not (self.everything or self.from_id or self.to_id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExportResult:
+    """What an export wrote: entries, the first and last stream ids, undecodable ones."""
+
+    exported: int
+    first_id: str
+    last_id: str
+    undecodable: int
+    trimmed_before_export: bool
+
+
+def export_main(argv: list[str]) -> int:
+    """Runs `rollgate trajectories export`; 0 when the file was written (even if empty)."""
+    options = parse_export_args(argv, os.environ, STACK_FILE)
+    client = redis.Redis.from_url(
+        options.redis_url, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=5.0
+    )
+    try:
+        result = export(client, options)
+    except redis.RedisError as err:
+        print(f"rollgate trajectories export: {options.redis_url}: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"rollgate trajectories export: {options.out}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(_export_summary(result, options), file=sys.stderr)
+    return 0
+
+
+def parse_export_args(
+    argv: list[str], environ: Mapping[str, str], stack_file: Path
+) -> ExportOptions:
+    """Options of `rollgate trajectories export`."""
+    parser = argparse.ArgumentParser(
+        prog="rollgate trajectories export",
+        description="Write published trajectories to JSON Lines (one trajectory per line, "
+        "packed arrays as lists). Reads with XRANGE only: nothing is consumed or acked. "
+        "By default writes everything not yet exported under --name, remembered in Redis "
+        "(hash <prefix>export_cursors); --all or a range exports without the cursor.",
+    )
+    _add_redis_args(parser, environ, stack_file)
+    parser.add_argument("--out", required=True, help="output file ('-': standard output)")
+    parser.add_argument("--append", action="store_true", help="append instead of replacing")
+    parser.add_argument("--from-id", default=None, help="first stream id (inclusive)")
+    parser.add_argument("--to-id", default=None, help="last stream id (inclusive)")
+    parser.add_argument("--all", dest="everything", action="store_true", help="whole stream")
+    parser.add_argument(
+        "--name",
+        default=DEFAULT_EXPORT_NAME,
+        help="the cursor remembering what was exported (default: default)",
+    )
+    args = parser.parse_args(argv)
+    if args.everything and (args.from_id or args.to_id):
+        parser.error("--all and --from-id/--to-id exclude each other")
+    return ExportOptions(
+        redis_url=str(args.redis_url),
+        prefix=str(args.prefix),
+        out=str(args.out),
+        append=bool(args.append),
+        from_id=args.from_id,
+        to_id=args.to_id,
+        everything=bool(args.everything),
+        name=str(args.name),
+    )
+
+
+def export(client: redis.Redis, options: ExportOptions) -> ExportResult:
+    """Writes the selected entries, then (default mode) moves the cursor past them."""
+    stream = f"{options.prefix}trajectories"
+    cursors = f"{options.prefix}export_cursors"
+    cursor = ""
+    if options.uses_cursor:
+        stored: Any = client.hget(cursors, options.name)
+        cursor = _text(stored) if stored else ""
+    start = f"({cursor}" if cursor else (options.from_id or "-")
+    # Fixed before reading: entries published meanwhile wait for the next export.
+    end = options.to_id or _last_id(client, stream)
+    trimmed = _trimmed_since(client, stream, cursor) if options.uses_cursor else False
+    counts = {"exported": 0, "undecodable": 0}
+    ids: list[str] = []
+    with _output(options.out, append=options.append) as out:
+        if end != "0-0":
+            for stream_id, fields in _entries(client, stream, start, end):
+                line, ok = _export_line(stream_id, fields)
+                if not ok:
+                    counts["undecodable"] += 1
+                    print(f"# {stream_id}: {line}", file=sys.stderr)
+                    continue
+                out.write(line + "\n")
+                counts["exported"] += 1
+                ids.append(stream_id)
+    if options.uses_cursor and ids:
+        client.hset(cursors, options.name, ids[-1])
+    return ExportResult(
+        exported=counts["exported"],
+        first_id=ids[0] if ids else "",
+        last_id=ids[-1] if ids else "",
+        undecodable=counts["undecodable"],
+        trimmed_before_export=trimmed,
+    )
+
+
+def _entries(
+    client: redis.Redis, stream: str, start: str, end: str
+) -> Iterator[tuple[str, Mapping[bytes, bytes]]]:
+    while True:
+        batch: Any = client.xrange(stream, min=start, max=end, count=_BATCH)
+        for stream_id, fields in batch:
+            yield _text(stream_id), fields
+        if len(batch) < _BATCH:
+            return
+        start = f"({_text(batch[-1][0])}"
+
+
+def _export_line(stream_id: str, fields: Mapping[bytes, bytes]) -> tuple[str, bool]:
+    values = {_text(k): v for k, v in fields.items()}
+    try:
+        trajectory = decode_trajectory(
+            bytes(values.get("data", b"")), _text(values.get("codec", b"msgpack"))
+        )
+    except TrajectoryDecodeError as err:
+        return f"cannot decode: {err}", False
+    return orjson.dumps({"stream_id": stream_id, **trajectory_to_json(trajectory)}).decode(), True
+
+
+def _trimmed_since(client: redis.Redis, stream: str, cursor: str) -> bool:
+    """Whether entries newer than the cursor were trimmed or deleted before this export."""
+    try:
+        info: Any = client.xinfo_stream(stream)
+    except redis.ResponseError:
+        return False
+    deleted = _text(info.get("max-deleted-entry-id", b"0-0") or b"0-0")
+    return _id_key(deleted) > _id_key(cursor or "0-0")
+
+
+def _id_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms or 0), int(seq or 0)
+
+
+@contextlib.contextmanager
+def _output(path: str, *, append: bool) -> Iterator[Any]:
+    """stdout, an appended file, or a temp file renamed into place once complete."""
+    if path == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    if append:
+        with open(path, "a", encoding="utf-8") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        return
+    target = Path(path)
+    fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def _export_summary(result: ExportResult, options: ExportOptions) -> str:
+    where = "standard output" if options.out == "-" else options.out
+    text = f"rollgate: exported {result.exported} trajectories to {where}"
+    if result.exported:
+        text += f" ({result.first_id} … {result.last_id})"
+    if options.uses_cursor:
+        text += f"; cursor {options.name!r} at {result.last_id or 'unchanged'}"
+    if result.undecodable:
+        text += f"; {result.undecodable} undecodable entries skipped"
+    if result.trimmed_before_export:
+        text += (
+            "\nwarning: some trajectories after the last export were trimmed from the stream "
+            "(acked by every consumer group) before this export; export more often"
+        )
+    return text
+
+
 def _render(stream_id: str, fields: Mapping[bytes, bytes], *, json_lines: bool) -> str:
     values = {_text(k): v for k, v in fields.items()}
     codec = _text(values.get("codec", b"msgpack"))
@@ -171,4 +388,7 @@ def _text(value: Any) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(tail_main(sys.argv[1:]))
+    _COMMANDS = {"tail": tail_main, "export": export_main}
+    if len(sys.argv) < 2 or sys.argv[1] not in _COMMANDS:
+        sys.exit("usage: python -m rollgate.trajectories_cli tail|export [options]")
+    sys.exit(_COMMANDS[sys.argv[1]](sys.argv[2:]))

@@ -8,8 +8,9 @@ import signal
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import orjson
 import redis.asyncio as aioredis
 
@@ -45,10 +46,10 @@ async def publish(redis: aioredis.Redis, keys: RedisKeys, trajectory_id: str) ->
         end_reason="end_session",
     )
     data = encode_trajectory(build_trajectory(info, [record], {"c1": 0.75}))
-    stream_id = await redis.xadd(
+    stream_id: Any = await redis.xadd(
         keys.trajectories, {"trajectory_id": trajectory_id, "codec": CODEC, "data": data}
     )
-    return stream_id.decode()
+    return str(stream_id.decode())
 
 
 async def start_tail(redis_url: str, prefix: str, *args: str) -> asyncio.subprocess.Process:

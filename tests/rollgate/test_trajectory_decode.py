@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
 
