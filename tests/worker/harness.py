@@ -15,7 +15,8 @@ from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.worker.adapters import adapter_for
 from services.worker.servicer import WorkerServicer
 from services.worker.turns import TurnRunner
-from services.worker.upstream import UpstreamClient
+from services.worker.tokenizer import LocalTokenizer
+from services.worker.upstream import RequestPolicy, UpstreamClient
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,11 +30,20 @@ class WorkerUnderTest:
 
 @contextlib.asynccontextmanager
 async def running_worker(
-    base_url: str, *, kind: str = "vllm", api_key: str = "", timeout_s: float = 10.0
+    base_url: str,
+    *,
+    kind: str = "vllm",
+    api_key: str = "",
+    timeout_s: float = 10.0,
+    key_var: str = "ROLLGATE_UPSTREAM_API_KEY",
+    policy: RequestPolicy | None = None,
+    tokenizer: LocalTokenizer | None = None,
+    sglang_path: str = "chat",
 ) -> AsyncIterator[WorkerUnderTest]:
     """A Worker servicer on a real gRPC server (port 0) calling `base_url`."""
-    async with UpstreamClient(base_url=base_url, api_key=api_key) as upstream:
-        runner = TurnRunner(upstream=upstream, adapter=adapter_for(kind))
+    async with UpstreamClient(base_url=base_url, api_key=api_key, key_var=key_var) as upstream:
+        adapter = adapter_for(kind, sglang_path=sglang_path, tokenizer=tokenizer)
+        runner = TurnRunner(upstream=upstream, adapter=adapter, policy=policy, tokenizer=tokenizer)
         server = GrpcServer(
             ServerSpec(
                 name="worker",

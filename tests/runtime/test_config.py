@@ -1,0 +1,184 @@
+"""The YAML configuration: expansion, overrides, validation messages, AReaL files, and the
+environment each service gets from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.runtime.config import ConfigError, load_config, settings_env
+from services.worker.settings import WorkerSettings
+
+ENV = {"TAOTOKEN_API_KEY": "sk-tao-secret", "RG_ADMIN": "admin-secret", "HOST": "gpu1"}
+
+CONFIG = """
+admin_key: ${RG_ADMIN}
+redis: {url: "redis://${HOST}:6379/0", prefix: "t:"}
+worker:
+  sampling: {max_new_tokens: 256, temperature: 0.8, n_samples: 4}
+  upstreams:
+    - name: local
+      kind: vllm
+      base_url: http://${HOST}:8000
+      models: [Qwen/Qwen3-8B]
+      aliases: {qwen: Qwen/Qwen3-8B}
+      workers: 3
+    - name: hosted
+      kind: openai
+      base_url: https://api.taotoken.net/v1/
+      api_key: ${TAOTOKEN_API_KEY}
+      models: [deepseek-v3]
+"""
+
+
+def load(text: str, *overrides: str, environ: dict[str, str] | None = None) -> object:
+    return load_config(text=text, environ=ENV if environ is None else environ, overrides=overrides)
+
+
+def test_a_full_file_loads_with_variables_expanded_and_keys_kept_as_names() -> None:
+    config = load_config(text=CONFIG, environ=ENV)
+    local, hosted = config.upstreams
+    assert local.base_url == "http://gpu1:8000/v1"
+    assert hosted.base_url == "https://api.taotoken.net/v1"
+    assert hosted.api_key_var == "TAOTOKEN_API_KEY"
+    assert local.aliases == (("qwen", "Qwen/Qwen3-8B"),) and local.workers == 3
+    assert config.redis_url == "redis://gpu1:6379/0"
+    assert config.sampling.n_samples == 4
+    assert "sk-tao-secret" not in repr(config) and "admin-secret" not in repr(config)
+
+
+def test_the_worker_gets_its_upstream_and_never_the_key_value() -> None:
+    config = load_config(text=CONFIG, environ=ENV)
+    env = settings_env(config, "worker", upstream="hosted")
+    assert env["ROLLGATE_UPSTREAM_BASE_URL"] == "https://api.taotoken.net/v1"
+    assert env["ROLLGATE_UPSTREAM_API_KEY_VAR"] == "TAOTOKEN_API_KEY"
+    assert "sk-tao-secret" not in env.values()
+    settings = WorkerSettings.from_env({**env, **ENV})
+    assert settings.upstream_api_key == "sk-tao-secret"
+    assert settings.upstream_api_key_var == "TAOTOKEN_API_KEY"
+    assert (settings.default_max_tokens, settings.default_temperature) == (256, 0.8)
+    assert settings.n_samples == 4
+    local = WorkerSettings.from_env(settings_env(config, "worker", upstream="local"))
+    assert local.upstream_aliases == (("qwen", "Qwen/Qwen3-8B"),)
+    assert local.upstream_kind == "vllm"
+
+
+def test_each_service_gets_its_own_variables() -> None:
+    config = load_config(text=CONFIG, environ=ENV)
+    gateway = settings_env(config, "gateway")
+    assert gateway["ROLLGATE_ADMIN_KEY"] == "admin-secret"
+    assert gateway["ROLLGATE_REDIS_PREFIX"] == "t:"
+    assert "ROLLGATE_ADMIN_KEY" not in settings_env(config, "router")
+    with pytest.raises(ConfigError, match="--upstream NAME"):
+        settings_env(config, "worker")
+
+
+def test_dotted_overrides_replace_values_before_validation() -> None:
+    config = load_config(
+        text=CONFIG,
+        environ=ENV,
+        overrides=[
+            "worker.upstreams.0.base_url=http://other:9000/v1",
+            "worker.sampling.n_samples=1",
+        ],
+    )
+    assert config.upstreams[0].base_url == "http://other:9000/v1"
+    assert config.sampling.n_samples == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://h:8000/v1/v1", "drop one /v1"),
+        ("https://api.example.com/v1?ref=promo", "copied from a web page"),
+        ("https://platform.example.com/models", "website address"),
+        ("http://h:8000/v1/chat/completions", "names an endpoint"),
+        ("h:8000", "not an http"),
+    ],
+)
+def test_bad_base_urls_are_refused_with_an_explanation(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(text=CONFIG, environ=ENV, overrides=[f"worker.upstreams.1.base_url={url}"])
+
+
+def test_a_literal_key_is_refused_with_an_explanation() -> None:
+    with pytest.raises(ConfigError, match=r"literal key.*\$\{MY_API_KEY\}"):
+        load_config(text=CONFIG, environ=ENV, overrides=["worker.upstreams.1.api_key=sk-abc"])
+
+
+def test_an_unset_variable_says_which_field_and_how_to_fix_it() -> None:
+    with pytest.raises(ConfigError, match=r"redis.url uses \$\{HOST\}.*export HOST"):
+        load_config(text=CONFIG, environ={k: v for k, v in ENV.items() if k != "HOST"})
+
+
+def test_an_unset_key_variable_is_named() -> None:
+    with pytest.raises(ConfigError, match="RG_ADMIN is not set"):
+        load_config(text=CONFIG, environ={"HOST": "h"})
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("worker.upstreams.0.kind=tgi", "not one of vllm, sglang, openai"),
+        ("worker.upstreams.0.modle=x", "unknown field.*modle"),
+        ("worker.upstreams.1.models=[Qwen/Qwen3-8B]", "listed by upstreams"),
+        ("worker.upstreams.0.aliases.q=missing", "not in worker.upstreams.0.models"),
+        ("worker.upstreams.0.tokenizer=/nope/tokenizer.json", "not a file"),
+        ("worker.sampling.n_samples=0", "integer ≥ 1"),
+        ("gatway.port=1", "unknown field.*gatway"),
+    ],
+)
+def test_validation_messages_say_what_is_wrong(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(text=CONFIG, environ=ENV, overrides=[override])
+
+
+AREAL = """
+experiment_name: openclaw
+actor: {path: Qwen/Qwen3-0.6B}
+rollout:
+  base_url: http://127.0.0.1:30000
+  api_key: ${TAOTOKEN_API_KEY}
+  max_head_offpolicyness: 2
+  max_concurrent_rollouts: 256
+  agent: {mode: online, admin_api_key: "${RG_ADMIN}", turn_discount: 1.0}
+gconfig: {max_new_tokens: 2048, temperature: 1.0, n_samples: 1}
+train_dataset: {batch_size: 4, path: "null"}
+sglang: {context_length: 32768}
+"""
+
+
+def test_an_areal_file_maps_its_fields_and_reports_the_rest_as_ignored() -> None:
+    config = load_config(text=AREAL, environ=ENV)
+    assert config.style == "areal"
+    (upstream,) = config.upstreams
+    assert upstream.base_url == "http://127.0.0.1:30000/v1"
+    assert upstream.models == ("Qwen/Qwen3-0.6B",) and upstream.kind == "sglang"
+    assert upstream.api_key_var == "TAOTOKEN_API_KEY"
+    assert config.admin_key == "admin-secret"
+    assert (config.sampling.max_new_tokens, config.sampling.temperature) == (2048, 1.0)
+    assert (config.rollout.batch_size, config.rollout.max_head_offpolicyness) == (4, 2)
+    assert "rollout.max_concurrent_rollouts" in config.ignored
+    assert "sglang.context_length" in config.ignored
+    assert "gconfig.max_new_tokens" not in config.ignored
+    dataproxy = settings_env(config, "dataproxy")
+    assert dataproxy["ROLLGATE_BATCH_SIZE"] == "4"
+    assert dataproxy["ROLLGATE_MAX_HEAD_OFFPOLICYNESS"] == "2"
+
+
+def test_the_areal_example_literal_admin_key_is_refused() -> None:
+    text = AREAL.replace('"${RG_ADMIN}"', "sk-test123456")
+    with pytest.raises(ConfigError, match="rollout.agent.admin_api_key holds a literal key"):
+        load_config(text=text, environ=ENV)
+
+
+def test_the_example_file_in_the_repository_loads() -> None:
+    example = Path(__file__).parents[2] / "rollgate.example.yaml"
+    environ = {"ROLLGATE_ADMIN_KEY": "a", "TAOTOKEN_API_KEY": "k", "VLLM_API_KEY": "v"}
+    config = load_config(example, environ=environ)
+    assert {u.kind for u in config.upstreams} == {"vllm", "sglang", "openai"}
+    for upstream in config.upstreams:
+        WorkerSettings.from_env(
+            {**settings_env(config, "worker", upstream=upstream.name), **environ}
+        )
