@@ -169,7 +169,7 @@ def test_an_areal_file_maps_its_fields_and_reports_the_rest_as_ignored() -> None
 
 def test_the_areal_example_literal_admin_key_is_refused() -> None:
     text = AREAL.replace('"${RG_ADMIN}"', "sk-test123456")
-    with pytest.raises(ConfigError, match="rollout.agent.admin_api_key holds a literal key"):
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.admin_api_key holds a literal key"):
         load_config(text=text, environ=ENV)
 
 

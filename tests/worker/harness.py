@@ -14,8 +14,8 @@ from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.worker.adapters import adapter_for
 from services.worker.servicer import WorkerServicer
-from services.worker.turns import TurnRunner
 from services.worker.tokenizer import LocalTokenizer
+from services.worker.turns import TurnRunner
 from services.worker.upstream import RequestPolicy, UpstreamClient
 
 

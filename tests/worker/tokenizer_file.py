@@ -7,7 +7,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-
 _CORPUS = [
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
     "<|im_start|>user\nhello there, what is the weather like today?<|im_end|>\n",
