@@ -6,7 +6,7 @@ import time
 
 from aiohttp import web
 
-from services.gateway import chat, health, models, session_api
+from services.gateway import chat, health, models, responses, session_api, ws
 from services.gateway.backends import SETTINGS, backends_ctx
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
@@ -36,6 +36,8 @@ def build_app(settings: GatewaySettings) -> web.Application:
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)
+    responses.mount(app)
+    ws.mount(app)
     app.router.add_get("/health", health.health, allow_head=False)
     app.router.add_get("/ready", health.ready, allow_head=False)
     app.router.add_get("/metrics", health.metrics, allow_head=False)
