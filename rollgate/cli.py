@@ -12,12 +12,14 @@ from pathlib import Path
 from types import FrameType
 
 from rollgate.stack import Stack, StackConfig, StackError, generate_admin_key
+from services.runtime.config import ConfigError, RollgateConfig, load_config
 
 _USAGE = """rollgate <command> [options]
 
 commands:
   up                    run the whole stack as local processes (Ctrl-C stops it)
-  mock-llm              run the built-in mock LLM (OpenAI/vLLM wire format)
+  mock-llm              run the built-in mock LLM (vLLM / SGLang / OpenAI wire formats)
+  check-upstream        one real request to each configured upstream and through the stack
   trajectories tail     show published trajectories as they arrive (never consumes them)
 
 `rollgate <command> --help` for a command's options.
@@ -74,9 +76,66 @@ def _replicas(text: str) -> dict[str, int]:
     return counts
 
 
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, default=None, help="rollgate YAML (see rollgate.example.yaml)"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. worker.upstreams.0.base_url=http://…"
+    )
+
+
+def _load_file(args: argparse.Namespace) -> RollgateConfig | None:
+    """The configuration file, with its ignored AReaL fields reported once."""
+    if args.config is None:
+        if args.overrides:
+            raise ConfigError("dotted overrides need --config FILE")
+        return None
+    config = load_config(args.config, environ=os.environ, overrides=args.overrides)
+    if config.ignored:
+        print(
+            f"rollgate: {args.config} is an AReaL-style file; fields rollgate does not use "
+            f"(ignored): {', '.join(config.ignored)}",
+            file=sys.stderr,
+        )
+    return config
+
+
+def check_upstream_main(argv: Sequence[str]) -> int:
+    """`rollgate check-upstream`: reachable, key accepted, model served, logprobs, exact ids."""
+    parser = argparse.ArgumentParser(prog="rollgate check-upstream", description=__doc__)
+    _add_config_arguments(parser)
+    parser.add_argument(
+        "--no-stack", action="store_true", help="only call the upstreams, not the full stack"
+    )
+    args = parser.parse_args(argv)
+    if args.config is None and Path("rollgate.yaml").is_file():
+        args.config = Path("rollgate.yaml")
+    try:
+        config = _load_file(args)
+    except ConfigError as err:
+        print(f"rollgate: {err}", file=sys.stderr)
+        return 2
+    if config is None or not config.upstreams:
+        print("rollgate: no upstream configured (--config FILE with worker.upstreams)")
+        return 2
+    from rollgate.check_upstream import run
+
+    return run(config, stack=not args.no_stack)
+
+
 def up_main(argv: Sequence[str]) -> int:
     """`rollgate up`: starts everything, prints how to use it, stops everything on Ctrl-C."""
-    args = _up_parser().parse_args(argv)
+    parser = _up_parser()
+    _add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        file = _load_file(args)
+    except ConfigError as err:
+        print(f"rollgate: {err}", file=sys.stderr)
+        return 2
+    if file is not None and file.admin_key and not args.admin_key:
+        args.admin_key = file.admin_key
     admin_key = args.admin_key or generate_admin_key()
     upstream = os.environ.get("ROLLGATE_UPSTREAM_BASE_URL") or None
     config = StackConfig(
@@ -92,6 +151,7 @@ def up_main(argv: Sequence[str]) -> int:
         upstream_models=os.environ.get("ROLLGATE_UPSTREAM_MODELS") or None,
         mock_token_interval_ms=args.mock_token_interval_ms,
         state_dir=args.state_dir,
+        file=file,
     )
     stack = Stack(config)
     _raise_on_sigterm()
@@ -172,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "up":
         return up_main(rest)
+    if command == "check-upstream":
+        return check_upstream_main(rest)
     if command == "mock-llm":
         from rollgate.mock_llm import main as mock_main
 

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollgate.redis_server import RedisServer, free_port
+from services.runtime.config import RollgateConfig, settings_env, worker_env
 
 GRPC_SERVICES = {
     "router": "rollgate.v1.Router",
@@ -59,6 +60,8 @@ class StackConfig:
     python: str = sys.executable
     extra_env: Mapping[str, str] = field(default_factory=dict)
     start_timeout_s: float = 60.0
+    # A loaded rollgate YAML: one group of workers per upstream, and each service's settings.
+    file: RollgateConfig | None = None
 
 
 @dataclass(slots=True)
@@ -149,6 +152,41 @@ class Stack:
         env.update(extra)
         return env
 
+    def _service_env(self, service: str) -> dict[str, str]:
+        """The configuration file's variables for a service (addresses are the stack's own)."""
+        if self.config.file is None:
+            return {}
+        env = settings_env(self.config.file, service, upstream=None) if service != "worker" else {}
+        for name in ("ROLLGATE_ROUTER_ADDR", "ROLLGATE_DATAPROXY_ADDR", "ROLLGATE_REDIS_URL"):
+            env.pop(name, None)
+        return env
+
+    def _worker_groups(self, router_addr: str) -> dict[str, dict[str, str]]:
+        """Worker name → its environment: one group per configured upstream, else the default."""
+        cfg = self.config
+        if cfg.file is not None and cfg.file.upstreams:
+            groups: dict[str, dict[str, str]] = {}
+            for configured in cfg.file.upstreams:
+                env = worker_env(cfg.file, configured)
+                env["ROLLGATE_ROUTER_ADDR"] = router_addr
+                # The key variable is passed on by name; copy it when _env would strip it.
+                var = configured.api_key_var
+                if var.startswith("ROLLGATE_") and var in os.environ:
+                    env[var] = os.environ[var]
+                for i in range(configured.workers):
+                    groups[f"worker-{configured.name}-{i + 1}"] = env
+            return groups
+        upstream = {
+            "ROLLGATE_ROUTER_ADDR": router_addr,
+            "ROLLGATE_UPSTREAM_BASE_URL": cfg.upstream_base_url or self.mock_url or "",
+            "ROLLGATE_UPSTREAM_KIND": cfg.upstream_kind or ("vllm" if self.mock_url else "openai"),
+        }
+        if cfg.upstream_api_key:
+            upstream["ROLLGATE_UPSTREAM_API_KEY"] = cfg.upstream_api_key
+        if cfg.upstream_models:
+            upstream["ROLLGATE_UPSTREAM_MODELS"] = cfg.upstream_models
+        return {f"worker-{i + 1}": upstream for i in range(cfg.workers)}
+
     def _add(self, name: str, kind: str, module: list[str], port: int, **env: str) -> None:
         address = f"{self.config.host}:{port}"
         self.services[name] = ServiceProcess(
@@ -162,7 +200,7 @@ class Stack:
                 "--port",
                 str(port),
             ],
-            env=self._env(**env),
+            env=self._env(**{**self._service_env(kind), **env}),
             address=address,
             log_path=self.log_dir / f"{name}.log",
             kind=kind,
@@ -183,7 +221,8 @@ class Stack:
         if not self.redis_url:
             self.redis = RedisServer(appendonly=True, data_dir=str(self._redis_dir())).start()
             self.redis_url = self.redis.url
-        if cfg.upstream_base_url is None:
+        configured = cfg.file is not None and bool(cfg.file.upstreams)
+        if cfg.upstream_base_url is None and not configured:
             port = self._free_port()
             self._add(
                 "mock-llm", "http", ["rollgate.mock_llm"], port,
@@ -198,17 +237,9 @@ class Stack:
         dataproxies = self._add_replicas("dataproxy", ["services.dataproxy"])
         self._launch(*routers, *dataproxies)
         router_target = self._target(routers)
-        upstream = {
-            "ROLLGATE_ROUTER_ADDR": router_target,
-            "ROLLGATE_UPSTREAM_BASE_URL": cfg.upstream_base_url or self.mock_url or "",
-            "ROLLGATE_UPSTREAM_KIND": cfg.upstream_kind or ("vllm" if self.mock_url else "openai"),
-        }
-        if cfg.upstream_api_key:
-            upstream["ROLLGATE_UPSTREAM_API_KEY"] = cfg.upstream_api_key
-        if cfg.upstream_models:
-            upstream["ROLLGATE_UPSTREAM_MODELS"] = cfg.upstream_models
-        workers = [f"worker-{i + 1}" for i in range(cfg.workers)]
-        for name in workers:
+        groups = self._worker_groups(router_target)
+        workers = list(groups)
+        for name, upstream in groups.items():
             port = self._free_port()
             self._add(
                 name, "worker", ["services.worker"], port,
