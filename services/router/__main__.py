@@ -13,6 +13,7 @@ from protos import router_pb2_grpc
 from services.router.registry import Registry, RouterKeys
 from services.router.servicer import RouterServicer
 from services.router.settings import RouterSettings
+from services.runtime.config import merged_environ
 from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
 from services.runtime.logs import configure_logging, get_logger
 from services.runtime.redis_conn import open_redis
@@ -74,9 +75,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 50051; 0: any)")
+    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
     args = parser.parse_args(argv)
     try:
-        settings = RouterSettings.from_env(os.environ, host=args.host, port=args.port)
+        settings = RouterSettings.from_env(
+            merged_environ(os.environ, args.config, args.overrides, "router"),
+            host=args.host,
+            port=args.port,
+        )
     except ValueError as err:
         parser.error(str(err))
     configure_logging(service="router", json_logs=settings.log_json, level=settings.log_level)
