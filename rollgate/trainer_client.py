@@ -87,6 +87,9 @@ class TrainerClient:
         self._stub: trainer_pb2_grpc.TrainerAsyncStub | None = None
         # (group, trajectory id) → the stream id it first came with; the oldest are forgotten.
         self._seen: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # (group, consumer) → stream ids this client handed out and has not acked: the server
+        # re-sends them first on the next pull, and the client drops them again.
+        self._held: dict[tuple[str, str], set[str]] = {}
 
     async def __aenter__(self) -> TrainerClient:
         self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
@@ -114,20 +117,24 @@ class TrainerClient:
     ) -> AsyncIterator[PulledTrajectory]:
         """Trajectories for `consumer` in `group`; duplicates (per group, by id) are dropped.
 
-        Ends after `max_count` (0: no limit) or `idle_timeout_s` without a new trajectory
-        (0: runs until the caller stops iterating). `complete_groups_only` asks for episode
-        groups only once every member is published.
+        Ends after `max_count` new trajectories (0: no limit) or `idle_timeout_s` without one
+        (0: runs until the caller stops iterating). Trajectories this client already handed
+        out and has not acked are not shown again. `complete_groups_only` asks for episode
+        groups only once every member is published (a group is never split by `max_count`).
         """
+        held = self._held.setdefault((group, consumer), set())
         request = trainer_pb2.PullTrajectoriesRequest(
             group=group,
             consumer=consumer,
-            max_count=max_count,
+            # The server re-sends our unacked entries first and counts them: ask for them too.
+            max_count=max_count + len(held) if max_count > 0 else 0,
             idle_timeout_s=idle_timeout_s,
             complete_groups_only=complete_groups_only,
         )
         # No deadline on the stream itself: it ends by count or idle time; keepalive
         # pings detect a dead server.
         call = self._require_stub().PullTrajectories(request, metadata=self._metadata)
+        shown = 0
         try:
             async for message in call:
                 seen_key = (group, message.trajectory_id)
@@ -140,12 +147,16 @@ class TrainerClient:
                     continue  # redelivered (still pending): the caller already has it
                 if message.trajectory_id:
                     self._remember(seen_key, message.stream_id)
+                held.add(message.stream_id)
+                shown += 1
                 yield PulledTrajectory(
                     stream_id=message.stream_id,
                     trajectory=decode_trajectory(message.data, message.codec or "msgpack"),
                     group_id=message.group_id,
                     group_size=message.group_size,
                 )
+                if max_count > 0 and shown >= max_count and not complete_groups_only:
+                    return  # held entries taken elsewhere meanwhile: the server sent extra
         except grpc.aio.AioRpcError as err:
             raise _trainer_error(err) from None
         finally:
@@ -155,6 +166,9 @@ class TrainerClient:
         """Acknowledges entries trained on; the number newly acked."""
         request = trainer_pb2.AckRequest(group=group, stream_ids=list(stream_ids))
         response = await self._unary(self._require_stub().Ack, request)
+        for (held_group, _consumer), held in self._held.items():
+            if held_group == group:
+                held.difference_update(stream_ids)
         return int(response.acked)
 
     async def set_weight_version(self, version: int) -> int:

@@ -212,3 +212,20 @@ async def test_a_reclaimed_copy_of_a_trajectory_already_trained_on_is_dropped_an
             later += [item async for item in tc.pull("ppo", "survivor", idle_timeout_s=0.3)]
 
     assert [item.trajectory.trajectory_id for item in later] == ["t1"]
+
+
+async def test_a_second_pull_before_acking_brings_max_count_new_trajectories(
+    trainer: Trainer,
+) -> None:
+    for n in range(5):
+        await trainer.publish(f"t{n}")
+
+    async with trainer.client() as tc, asyncio.timeout(30):
+        first = [item async for item in tc.pull("ppo", "c0", max_count=2, idle_timeout_s=5)]
+        second = [item async for item in tc.pull("ppo", "c0", max_count=2, idle_timeout_s=5)]
+        await tc.ack("ppo", [item.stream_id for item in first + second])
+        third = [item async for item in tc.pull("ppo", "c0", max_count=2, idle_timeout_s=0.5)]
+
+    assert [item.trajectory.trajectory_id for item in first] == ["t0", "t1"]
+    assert [item.trajectory.trajectory_id for item in second] == ["t2", "t3"]
+    assert [item.trajectory.trajectory_id for item in third] == ["t4"]
