@@ -12,16 +12,19 @@ import redis.asyncio as aioredis
 
 from protos import dataproxy_pb2_grpc, trainer_pb2_grpc
 from services.dataproxy.chat import TurnRunner
+from services.dataproxy.control import CapacityPolicy, Control
 from services.dataproxy.conversations_servicer import (
     add_ConversationsServicer_to_server,
     build_conversations,
 )
+from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.servicer import DataProxyServicer
-from services.dataproxy.sessions import SessionStore
+from services.dataproxy.sessions import EpisodePolicy, SessionStore
 from services.dataproxy.settings import DataProxySettings
-from services.dataproxy.trainer_servicer import TrainerServicer
+from services.dataproxy.trainer_servicer import TrainerServicer, build_control
+from services.runtime.config import merged_environ
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
 from services.runtime.logs import configure_logging, get_logger
@@ -29,22 +32,46 @@ from services.runtime.redis_conn import open_redis
 
 SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer", "rollgate.v1.Conversations")
 REDIS_PING_TIMEOUT_S = 5.0
+REAPER_STOP_S = 5.0
 
 log = get_logger(__name__)
 
 
-def build_dataproxy(
-    *, redis: aioredis.Redis, settings: DataProxySettings, channels: ChannelPool
-) -> DataProxyServicer:
-    """The DataProxy servicer over one Redis client and one worker channel pool."""
-    store = SessionStore(
+def build_store(*, redis: aioredis.Redis, settings: DataProxySettings) -> SessionStore:
+    """The session store with the settings' lifecycle policy."""
+    return SessionStore(
         redis=redis,
         keys=RedisKeys(settings.redis_prefix),
         scripts=Scripts.load(),
         admin_key=settings.admin_key,
         refresh_lock_s=settings.refresh_lock_s,
+        policy=EpisodePolicy(
+            refresh_timeout_s=settings.refresh_timeout_s,
+            capacity=CapacityPolicy(
+                max_head_offpolicyness=settings.max_head_offpolicyness,
+                batch_size=settings.batch_size,
+            ),
+            session_idle_timeout_s=settings.session_idle_timeout_s,
+            late_reward_timeout_s=settings.late_reward_timeout_s,
+        ),
     )
-    turns = TurnRunner(store=store, channels=channels, turn_timeout_s=settings.turn_timeout_s)
+
+
+def build_dataproxy(
+    *,
+    redis: aioredis.Redis,
+    settings: DataProxySettings,
+    channels: ChannelPool,
+    store: SessionStore | None = None,
+    control: Control | None = None,
+) -> DataProxyServicer:
+    """The DataProxy servicer over one Redis client and one worker channel pool."""
+    store = store or build_store(redis=redis, settings=settings)
+    keys = RedisKeys(settings.redis_prefix)
+    control = control or build_control(redis=redis, keys=keys, settings=settings)
+    turns = TurnRunner(
+        store=store, channels=channels, turn_timeout_s=settings.turn_timeout_s, control=control
+    )
     return DataProxyServicer(store=store, turns=turns)
 
 
@@ -63,9 +90,10 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 "check ROLLGATE_REDIS_URL"
             ) from err
         channels = await stack.enter_async_context(ChannelPool())
-        trainer = TrainerServicer(
-            redis=redis, keys=RedisKeys(settings.redis_prefix), settings=settings
-        )
+        keys = RedisKeys(settings.redis_prefix)
+        control = build_control(redis=redis, keys=keys, settings=settings)
+        store = build_store(redis=redis, settings=settings)
+        trainer = TrainerServicer(redis=redis, keys=keys, settings=settings, control=control)
         server = GrpcServer(
             ServerSpec(
                 name="dataproxy",
@@ -76,7 +104,10 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             )
         )
         dataproxy_pb2_grpc.add_DataProxyServicer_to_server(
-            build_dataproxy(redis=redis, settings=settings, channels=channels), server.server
+            build_dataproxy(
+                redis=redis, settings=settings, channels=channels, store=store, control=control
+            ),
+            server.server,
         )
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
         add_ConversationsServicer_to_server(
@@ -86,8 +117,28 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         await stack.enter_async_context(server)
         # Runs before the server stops: open trainer pulls end now instead of holding the grace.
         stack.push_async_callback(trainer.close)
+        await stack.enter_async_context(_reaping(store, settings))
         await server.set_serving()
         yield server
+
+
+@contextlib.asynccontextmanager
+async def _reaping(store: SessionStore, settings: DataProxySettings) -> AsyncIterator[None]:
+    """The idle / late-reward reaper, running while the server serves."""
+    reaper = Reaper(store=store, interval_s=settings.reaper_interval_s)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(reaper.run(stopping), name="reaper")
+    try:
+        yield
+    finally:
+        stopping.set()
+        try:
+            async with asyncio.timeout(REAPER_STOP_S):
+                await task
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _main(settings: DataProxySettings) -> None:
@@ -101,8 +152,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.dataproxy", description=__doc__)
     parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 50052; 0: any)")
+    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
     args = parser.parse_args(argv)
-    settings = DataProxySettings.from_env(os.environ, host=args.host, port=args.port)
+    settings = DataProxySettings.from_env(
+        merged_environ(os.environ, args.config, args.overrides, "dataproxy"),
+        host=args.host,
+        port=args.port,
+    )
     configure_logging(service="dataproxy", json_logs=settings.log_json, level=settings.log_level)
     run(lambda: _main(settings))
 

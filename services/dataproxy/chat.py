@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.dataproxy.control import Control, TurnLease
 from services.dataproxy.sessions import ActiveEpisode, SessionStore
 from services.dataproxy.turns import encode_turn
 from services.runtime.errors import InvalidRequest, UpstreamError, from_rpc_error
@@ -51,61 +53,85 @@ class TurnRunner:
     """Runs turns against workers and records them; owns no connection of its own."""
 
     def __init__(
-        self, *, store: SessionStore, channels: ChannelPool, turn_timeout_s: float
+        self,
+        *,
+        store: SessionStore,
+        channels: ChannelPool,
+        turn_timeout_s: float,
+        control: Control,
     ) -> None:
         self._store = store
         self._channels = channels
         self._turn_timeout_s = turn_timeout_s
+        self._control = control
 
     async def stream(
         self, request: TurnRequest
     ) -> AsyncGenerator[list[bytes] | RecordedTurn, None]:
         """Chunk batches as the worker sends them, then the RecordedTurn (after the append)."""
-        episode, stub, generate = await self._prepare(request)
-        call = stub.Generate(generate, timeout=self._turn_timeout_s)
-        record: common_pb2.TurnRecord | None = None
+        episode, lease = await self._admit(request)
         try:
-            async for message in call:
-                if message.HasField("chunks"):
-                    yield list(message.chunks.chunks)
-                elif message.HasField("record"):
-                    record = message.record
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, hop="worker") from err
+            stub, generate = self._generate_request(request, episode)
+            call = stub.Generate(generate, timeout=self._turn_timeout_s)
+            record: common_pb2.TurnRecord | None = None
+            try:
+                async for message in call:
+                    if message.HasField("chunks"):
+                        yield list(message.chunks.chunks)
+                    elif message.HasField("record"):
+                        record = message.record
+            except grpc.aio.AioRpcError as err:
+                raise from_rpc_error(err, hop="worker") from err
+            finally:
+                # A no-op once the call finished; stops the worker when our client went away.
+                call.cancel()
+            if record is None:
+                raise UpstreamError("the worker ended the turn without a token record")
+            yield await self._record(episode, record, request)
         finally:
-            # A no-op once the call finished; stops the worker when our client went away.
-            call.cancel()
-        if record is None:
-            raise UpstreamError("the worker ended the turn without a token record")
-        yield await self._record(episode, record, request)
+            await self._release(lease)
 
     async def complete(self, request: TurnRequest) -> CompletedTurn:
         """One non-streaming turn, recorded before its body is returned."""
-        episode, stub, generate = await self._prepare(request)
-        call = stub.Complete(generate, timeout=self._turn_timeout_s)
+        episode, lease = await self._admit(request)
         try:
-            response = await call
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, hop="worker") from err
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        turn = await self._record(episode, response.record, request)
+            stub, generate = self._generate_request(request, episode)
+            call = stub.Complete(generate, timeout=self._turn_timeout_s)
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as err:
+                raise from_rpc_error(err, hop="worker") from err
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            turn = await self._record(episode, response.record, request)
+        finally:
+            await self._release(lease)
         return CompletedTurn(body_json=response.body_json, turn=turn)
 
-    async def _prepare(
-        self, request: TurnRequest
-    ) -> tuple[ActiveEpisode, worker_pb2_grpc.WorkerStub, worker_pb2.GenerateRequest]:
+    async def _admit(self, request: TurnRequest) -> tuple[ActiveEpisode, TurnLease]:
+        """The key's episode (401/503 first), then admission (waits while paused)."""
         if not request.worker_address:
             raise InvalidRequest("no worker address: the gateway must route the turn first")
         episode = await self._store.active_episode(request.key_digest)
+        lease = await self._control.admit()
+        return replace(episode, weight_version=lease.weight_version), lease
+
+    async def _release(self, lease: TurnLease) -> None:
+        # Shielded: a cancelled turn still stops counting as in flight (else its lease expires).
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._control.release(lease))
+
+    def _generate_request(
+        self, request: TurnRequest, episode: ActiveEpisode
+    ) -> tuple[worker_pb2_grpc.WorkerStub, worker_pb2.GenerateRequest]:
         stub = worker_pb2_grpc.WorkerStub(self._channels.get(request.worker_address))
         generate = worker_pb2.GenerateRequest(
             body_json=request.body_json,
             weight_version=episode.weight_version,
             request_id=request.request_id,
         )
-        return episode, stub, generate
+        return stub, generate
 
     async def _record(
         self, episode: ActiveEpisode, record: common_pb2.TurnRecord, request: TurnRequest
@@ -113,7 +139,12 @@ class TurnRunner:
         if not record.interaction_id:
             # Every interaction needs an id for set_reward; the worker should have sent one.
             record.interaction_id = "chatcmpl-rg-" + secrets.token_hex(12)
-        data = encode_turn(record, weight_version=episode.weight_version, now=time.time())
+        data = encode_turn(
+            record,
+            weight_version=episode.weight_version,
+            weight_version_end=await self._control.weight_version(),
+            now=time.time(),
+        )
         index = await self._store.append_turn(
             episode, interaction_id=record.interaction_id, record=data
         )

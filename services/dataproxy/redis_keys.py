@@ -38,6 +38,39 @@ class RedisKeys:
         """Marker set (NX, with a TTL) while a refresh of the key runs."""
         return f"{self.prefix}refreshing:{digest}"
 
+    def group(self, group_id: str) -> str:
+        """Hash of one episode group: `size`, `done` (members published or empty)."""
+        return f"{self.prefix}group:{group_id}"
+
+    def trajectory_group(self, trajectory_id: str) -> str:
+        """Hash `group_id`, `group_size` of a published trajectory that belongs to a group."""
+        return f"{self.prefix}trajgroup:{trajectory_id}"
+
+    @property
+    def idle(self) -> str:
+        """Zset `digest/episode` → idle deadline of every active episode."""
+        return f"{self.prefix}idle"
+
+    @property
+    def awaiting_reward(self) -> str:
+        """Zset `digest/episode` → deadline of ended episodes held for a late reward."""
+        return f"{self.prefix}awaiting_reward"
+
+    @property
+    def capacity(self) -> str:
+        """Hash `grants`: episodes granted and not yet taken (absent: no grant ever made)."""
+        return f"{self.prefix}capacity"
+
+    @property
+    def paused(self) -> str:
+        """Present while submission is paused for a weight update."""
+        return f"{self.prefix}paused"
+
+    @property
+    def in_flight(self) -> str:
+        """Zset turn token → lease deadline of every running turn, over all replicas."""
+        return f"{self.prefix}inflight"
+
     @property
     def trajectories(self) -> str:
         """The stream of published trajectories."""
@@ -45,7 +78,7 @@ class RedisKeys:
 
     @property
     def stats(self) -> str:
-        """Hash of counters: published, empty_episodes, consumed."""
+        """Counters: open_episodes, published, empty_episodes, consumed, interactions, joined."""
         return f"{self.prefix}stats"
 
     @property

@@ -44,6 +44,8 @@ class Scripts:
     set_reward: LuaScript
     publish: LuaScript
     release_marker: LuaScript
+    begin_turn: LuaScript
+    claim_due: LuaScript
 
     @classmethod
     def load(cls) -> Scripts:
@@ -54,4 +56,6 @@ class Scripts:
             set_reward=LuaScript.load("set_reward"),
             publish=LuaScript.load("publish"),
             release_marker=LuaScript.load("release_marker"),
+            begin_turn=LuaScript.load("begin_turn"),
+            claim_due=LuaScript.load("claim_due"),
         )

@@ -36,7 +36,9 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
         self, request: dataproxy_pb2.StartSessionRequest, context: Context
     ) -> dataproxy_pb2.StartSessionResponse:
         try:
-            started = await self._store.start(task_id=request.task_id, api_key=request.api_key)
+            started = await self._store.start(
+                task_id=request.task_id, api_key=request.api_key, group_size=request.group_size
+            )
         except RollgateError as err:
             await abort_with(context, err)
         return dataproxy_pb2.StartSessionResponse(
@@ -44,6 +46,11 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
             api_key=started.api_key,
             refreshed=started.refreshed,
             ended_trajectory_id=started.ended_trajectory_id,
+            group_id=started.group_id,
+            members=[
+                dataproxy_pb2.GroupMember(session_id=sid, api_key=key)
+                for sid, key in started.members
+            ],
         )
 
     async def SetReward(
@@ -51,7 +58,10 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     ) -> dataproxy_pb2.SetRewardResponse:
         try:
             interaction_id = await self._store.set_reward(
-                request.key_digest, reward=request.reward, interaction_id=request.interaction_id
+                request.key_digest,
+                reward=request.reward,
+                interaction_id=request.interaction_id,
+                session_id=request.session_id,
             )
         except RollgateError as err:
             await abort_with(context, err)

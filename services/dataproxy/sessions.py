@@ -7,14 +7,16 @@ stream entry.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.dataproxy.control import CapacityPolicy
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.trajectory import (
@@ -49,6 +51,26 @@ BETWEEN_EPISODES = (
     "call /rl/start_session with this key to start the next one"
 )
 EPISODE_ENDED = "the episode ended while this turn was running; the turn was not recorded"
+NO_CAPACITY = (
+    "no capacity for a new episode after waiting {waited:.0f} s: the trainer has not caught "
+    "up (open and published episodes reached its staleness bound or grants). {what}"
+)
+HELD = "ended_awaiting_reward"
+MAX_GROUP_SIZE = 1024
+# Capacity polling backoff while a start or refresh waits.
+CAPACITY_POLL_MIN_S = 0.02
+CAPACITY_POLL_MAX_S = 0.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodePolicy:
+    """The lifecycle settings the store applies (docs/lifecycle.md)."""
+
+    refresh_timeout_s: float = 120.0
+    capacity: CapacityPolicy = field(default_factory=CapacityPolicy)
+    session_idle_timeout_s: float = 3600.0
+    # > 0: hold an ended episode whose last interaction has no reward this long.
+    late_reward_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +83,8 @@ class KeyState:
     episode: str
     epoch: int
     task_id: str = ""
+    # The latest ended episode of this key still held for a late reward ("" when none).
+    held: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,7 +105,7 @@ class ActiveEpisode:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Publication:
-    """How an episode ended: published (with its stream entry) or empty (not published)."""
+    """How an episode ended: published (with its stream entry), empty, or held for a reward."""
 
     status: str
     session_id: str
@@ -98,6 +122,18 @@ class StartedSession:
     api_key: str
     refreshed: bool
     ended_trajectory_id: str
+    group_id: str = ""
+    members: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Member:
+    """One episode a bind creates: its key's digest, its task, its names."""
+
+    digest: str
+    task_id: str
+    session_id: str
+    trajectory_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,20 +159,36 @@ class SessionStore:
         scripts: Scripts,
         admin_key: str,
         refresh_lock_s: float,
+        policy: EpisodePolicy | None = None,
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._scripts = scripts
         self._admin_key = admin_key
         self._refresh_lock_s = refresh_lock_s
+        self._policy = policy or EpisodePolicy()
+
+    @property
+    def policy(self) -> EpisodePolicy:
+        """The lifecycle settings in force."""
+        return self._policy
 
     # -- start / refresh ---------------------------------------------------------------
 
-    async def start(self, *, task_id: str, api_key: str) -> StartedSession:
-        """A new key with its first episode, or a refresh when `api_key` is a known key."""
+    async def start(self, *, task_id: str, api_key: str, group_size: int = 0) -> StartedSession:
+        """A new key with its first episode, a group of new keys, or a refresh of `api_key`."""
         task_id = task_id.strip()
         if api_key and self._admin_key and constant_time_equals(api_key, self._admin_key):
             raise InvalidRequest("the admin key cannot be used as a session key")
+        if group_size < 0 or group_size > MAX_GROUP_SIZE:
+            raise InvalidRequest(f"group_size must be between 1 and {MAX_GROUP_SIZE}")
+        if group_size > 1:
+            if api_key:
+                raise InvalidRequest(
+                    "group_size > 1 starts new keys: omit api_key (a refresh is per key)",
+                    code="group_with_api_key",
+                )
+            return await self._start_group(task_id or DEFAULT_TASK_ID, group_size)
         if api_key:
             digest = key_digest(api_key)
             if await self._redis.exists(self._keys.key(digest)):
@@ -148,10 +200,28 @@ class SessionStore:
     async def _start_new(self, task_id: str) -> StartedSession:
         api_key = new_session_key()
         digest = key_digest(api_key)
-        session_id = await self._bind(digest, task_id, mode="new")
+        members = [await self._member(digest, task_id)]
+        await self._bind(members, mode="new", what="Retry the call.")
+        session_id = members[0].session_id
         log.info("session_started", session_id=session_id, key_id=key_id_of(digest))
         return StartedSession(
             session_id=session_id, api_key=api_key, refreshed=False, ended_trajectory_id=""
+        )
+
+    async def _start_group(self, task_id: str, group_size: int) -> StartedSession:
+        api_keys = [new_session_key() for _ in range(group_size)]
+        members = [await self._member(key_digest(k), task_id) for k in api_keys]
+        group_id = "grp-" + secrets.token_hex(12)
+        await self._bind(members, mode="new", group_id=group_id, what="Retry the call.")
+        log.info("group_started", group_id=group_id, group_size=group_size, task_id=task_id)
+        pairs = tuple((m.session_id, k) for m, k in zip(members, api_keys, strict=True))
+        return StartedSession(
+            session_id=pairs[0][0],
+            api_key=pairs[0][1],
+            refreshed=False,
+            ended_trajectory_id="",
+            group_id=group_id,
+            members=pairs,
         )
 
     async def _refresh(self, api_key: str, digest: str, task_id: str) -> StartedSession:
@@ -167,9 +237,12 @@ class SessionStore:
             if key is not None and key.active:
                 ended = await self.publish(key, end_reason="refresh")
             task_id = task_id or (key.task_id if key else "") or DEFAULT_TASK_ID
-            session_id = await self._bind(digest, task_id, mode="next")
+            members = [await self._member(digest, task_id)]
+            what = "The previous episode is already published; retry with the same api_key."
+            await self._bind(members, mode="next", what=what)
         finally:
             await self._scripts.release_marker.run(self._redis, [marker], [token])
+        session_id = members[0].session_id
         log.info(
             "session_refreshed",
             session_id=session_id,
@@ -183,86 +256,139 @@ class SessionStore:
             ended_trajectory_id=ended.trajectory_id if ended else "",
         )
 
-    async def _bind(self, digest: str, task_id: str, *, mode: str) -> str:
-        """Binds a new episode (named by a fresh session id) to the key; returns its name."""
-        key_id = key_id_of(digest)
-        session_id = f"{task_id}-{await self._redis.incr(self._keys.session_seq)}"
-        trajectory_id = "traj-" + secrets.token_hex(12)
-        status, _epoch = await self._scripts.bind_episode.run(
-            self._redis,
-            [self._keys.key(digest), self._keys.episode(key_id, session_id)],
-            [mode, key_id, task_id, session_id, trajectory_id, repr(time.time())],
+    async def _member(self, digest: str, task_id: str) -> _Member:
+        seq = await self._redis.incr(self._keys.session_seq)
+        return _Member(
+            digest=digest,
+            task_id=task_id,
+            session_id=f"{task_id}-{seq}",
+            trajectory_id="traj-" + secrets.token_hex(12),
         )
-        if status == b"busy":
-            raise Conflict("another episode was bound to this key meanwhile; retry")
-        if status != b"ok":
-            raise InternalError(f"binding an episode failed: {_text(status)}")
-        return session_id
+
+    async def _bind(
+        self, members: list[_Member], *, mode: str, what: str, group_id: str = ""
+    ) -> int:
+        """Binds the members' episodes once capacity allows (≤ refresh_timeout_s); their epoch."""
+        started = time.monotonic()
+        deadline = started + self._policy.refresh_timeout_s
+        delay = CAPACITY_POLL_MIN_S
+        while True:
+            status, value = await self._bind_once(members, mode=mode, group_id=group_id)
+            if status == "ok":
+                return value
+            if status == "busy":
+                raise Conflict("another episode was bound to this key meanwhile; retry")
+            if status != "full":
+                raise InternalError(f"binding an episode failed: {status}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("capacity_wait_timed_out", episodes=len(members), mode=mode)
+                raise TooManyRequests(
+                    NO_CAPACITY.format(waited=time.monotonic() - started, what=what),
+                    code="no_capacity",
+                    retry_after_s=5.0,
+                )
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, CAPACITY_POLL_MAX_S)
+
+    async def _bind_once(
+        self, members: list[_Member], *, mode: str, group_id: str
+    ) -> tuple[str, int]:
+        keys = [
+            self._keys.stats,
+            self._keys.capacity,
+            self._keys.weight_version,
+            self._keys.idle,
+            self._keys.group(group_id) if group_id else self._keys.stats,
+        ]
+        ofp, batch_size = self._policy.capacity.bound_args
+        args: list[Any] = [
+            mode,
+            repr(time.time()),
+            ofp,
+            batch_size,
+            repr(self._policy.session_idle_timeout_s),
+            group_id,
+            len(members) if group_id else 0,
+            ENDED_EPISODE_TTL_S,
+        ]
+        for m in members:
+            key_id = key_id_of(m.digest)
+            keys += [self._keys.key(m.digest), self._keys.episode(key_id, m.session_id)]
+            args += [key_id, m.task_id, m.session_id, m.trajectory_id, m.digest]
+        status, value = await self._scripts.bind_episode.run(self._redis, keys, args)
+        return _text(status), int(value)
 
     # -- end / publish -----------------------------------------------------------------
 
     async def end(self, digest: str) -> Publication:
-        """Ends the key's active episode and publishes it (end_reason `end_session`)."""
+        """Ends the key's active episode and publishes (or holds) it (`end_session`)."""
         key = await self._require_active(digest)
         return await self.publish(key, end_reason="end_session")
 
     async def publish(self, key: KeyState, *, end_reason: str) -> Publication:
-        """Publishes the episode `key` names, once: a retry returns the stored ids."""
+        """Ends the episode `key` names, once: a retry returns the stored ids.
+
+        An active episode is published, or held for a late reward when that option is on and
+        its last interaction has none; a held one (`key.active` False) is published.
+        """
         ep_key = self._keys.episode(key.key_id, key.episode)
-        episode_keys = [
-            self._keys.key(key.digest),
-            ep_key,
-            self._keys.turns(key.key_id, key.episode),
-            self._keys.rewards(key.key_id, key.episode),
-            self._keys.interaction_index(key.key_id, key.episode),
-            self._keys.trajectories,
-            self._keys.stats,
-        ]
+        member = f"{key.digest}/{key.episode}"
         for _ in range(MAX_PUBLISH_ATTEMPTS):
             pipe = self._redis.pipeline(transaction=False)
             pipe.hgetall(ep_key)
-            pipe.lrange(episode_keys[2], 0, -1)
-            pipe.hgetall(episode_keys[3])
+            pipe.lrange(self._keys.turns(key.key_id, key.episode), 0, -1)
+            pipe.hgetall(self._keys.rewards(key.key_id, key.episode))
             ep, turns, rewards = await pipe.execute()
             now = time.time()
-            data = b""
-            if turns and ep.get(b"state") == b"active":
-                data = self._encode(key, ep, turns, rewards, end_reason=end_reason, now=now)
+            state = _text(ep.get(b"state"))
+            reason = _text(ep.get(b"end_reason")) or end_reason if state == HELD else end_reason
+            hold_until = 0.0
+            if self._should_hold(state, ep, turns, rewards):
+                hold_until = now + self._policy.late_reward_timeout_s
+            data, stats = b"", {"interactions": 0, "joined": 0}
+            if turns and state in {"active", HELD} and not hold_until:
+                data, stats = self._encode(key, ep, turns, rewards, end_reason=reason, now=now)
+            group_id = _text(ep.get(b"group_id"))
+            trajectory_id = _text(ep.get(b"trajectory_id"))
             result = await self._scripts.publish.run(
                 self._redis,
-                episode_keys,
+                [
+                    self._keys.key(key.digest),
+                    ep_key,
+                    self._keys.turns(key.key_id, key.episode),
+                    self._keys.rewards(key.key_id, key.episode),
+                    self._keys.interaction_index(key.key_id, key.episode),
+                    self._keys.trajectories,
+                    self._keys.stats,
+                    self._keys.idle,
+                    self._keys.awaiting_reward,
+                    self._keys.trajectory_group(trajectory_id),
+                    self._keys.group(group_id) if group_id else self._keys.stats,
+                ],
                 [
                     key.episode,
                     key.epoch,
                     len(turns),
-                    _text(ep.get(b"trajectory_id")),
+                    trajectory_id,
                     CODEC,
                     data,
                     repr(now),
-                    end_reason,
+                    reason,
                     ENDED_EPISODE_TTL_S,
+                    member,
+                    stats["interactions"],
+                    stats["joined"],
+                    repr(hold_until),
+                    group_id,
+                    int(ep.get(b"group_size") or 0),
                 ],
             )
             status = _text(result[0])
             if status == "retry":
                 continue
-            if status in {"published", "empty"}:
-                publication = Publication(
-                    status=status,
-                    session_id=key.episode,
-                    stream_id=_text(result[1]),
-                    trajectory_id=_text(result[2]),
-                    interaction_count=int(result[3]),
-                )
-                log.info(
-                    "episode_ended",
-                    status=status,
-                    session_id=key.episode,
-                    trajectory_id=publication.trajectory_id,
-                    turns=publication.interaction_count,
-                    end_reason=end_reason,
-                )
-                return publication
+            if status in {"published", "empty", "held"}:
+                return self._ended(key, result, status=status, end_reason=reason)
             if status == "missing":
                 raise Conflict(f"episode {key.episode} no longer exists")
             raise Conflict(f"episode {key.episode} is no longer the key's active episode")
@@ -271,6 +397,31 @@ class SessionStore:
             code="publish_contended",
             retry_after_s=1.0,
         )
+
+    def _should_hold(
+        self, state: str, ep: dict[bytes, bytes], turns: list[bytes], rewards: dict[bytes, bytes]
+    ) -> bool:
+        if self._policy.late_reward_timeout_s <= 0 or state != "active" or not turns:
+            return False
+        return ep.get(b"last_interaction", b"") not in rewards
+
+    def _ended(self, key: KeyState, result: Any, *, status: str, end_reason: str) -> Publication:
+        publication = Publication(
+            status=status,
+            session_id=key.episode,
+            stream_id=_text(result[1]),
+            trajectory_id=_text(result[2]),
+            interaction_count=int(result[3]),
+        )
+        log.info(
+            "episode_ended",
+            status=status,
+            session_id=key.episode,
+            trajectory_id=publication.trajectory_id,
+            turns=publication.interaction_count,
+            end_reason=end_reason,
+        )
+        return publication
 
     def _encode(
         self,
@@ -281,7 +432,8 @@ class SessionStore:
         *,
         end_reason: str,
         now: float,
-    ) -> bytes:
+    ) -> tuple[bytes, dict[str, int]]:
+        ended_at = float(ep[b"ended_at"]) if ep.get(b"ended_at") else now
         info = EpisodeInfo(
             trajectory_id=_text(ep.get(b"trajectory_id")),
             session_id=_text(ep.get(b"session_id")) or key.episode,
@@ -289,28 +441,83 @@ class SessionStore:
             key_id=key.key_id,
             episode=key.episode,
             started_at=float(ep.get(b"started_at") or now),
-            ended_at=now,
+            ended_at=ended_at,
             end_reason=end_reason,
+            group_id=_text(ep.get(b"group_id")) or None,
+            group_size=int(ep.get(b"group_size") or 0) or None,
         )
         parsed = {k.decode(): float(v) for k, v in rewards.items()}
-        return encode_trajectory(build_trajectory(info, turns, parsed))
+        trajectory = build_trajectory(info, turns, parsed)
+        stats = trajectory.get("stats", {})
+        counts = {
+            "interactions": int(stats.get("interactions", len(turns))),
+            "joined": int(stats.get("joined", 0)),
+        }
+        return encode_trajectory(trajectory), counts
+
+    # -- reaper entry points ------------------------------------------------------------
+
+    async def claim_due(self, *, held: bool, lease_s: float, limit: int) -> list[str]:
+        """Claims due `digest/episode` members: idle active episodes, or held ones (held)."""
+        zset = self._keys.awaiting_reward if held else self._keys.idle
+        members = await self._scripts.claim_due.run(
+            self._redis, [zset], [repr(time.time()), repr(lease_s), limit]
+        )
+        return [_text(m) for m in members]
+
+    async def reap_idle(self, member: str) -> Publication | None:
+        """Ends the idle episode `digest/episode` if it is still active and still idle."""
+        digest, _, episode = member.partition("/")
+        key = await self._read_key(digest)
+        if key is None or not key.active or key.episode != episode:
+            await self._redis.zrem(self._keys.idle, member)
+            return None
+        last = await self._redis.hget(self._keys.episode(key.key_id, episode), "last_active_at")
+        due = float(last or 0) + self._policy.session_idle_timeout_s
+        if due > time.time():
+            await self._redis.zadd(self._keys.idle, {member: due})
+            return None
+        return await self.publish(key, end_reason="idle")
+
+    async def release_held(self, member: str) -> Publication | None:
+        """Publishes the held episode `digest/episode` whose late reward never came (0)."""
+        digest, _, episode = member.partition("/")
+        key_id = key_id_of(digest)
+        state, epoch = await self._redis.hmget(
+            self._keys.episode(key_id, episode), "state", "epoch"
+        )
+        if state != HELD.encode():
+            await self._redis.zrem(self._keys.awaiting_reward, member)
+            return None
+        held = KeyState(
+            digest=digest, key_id=key_id, active=False, episode=episode, epoch=int(epoch or 0)
+        )
+        return await self.publish(held, end_reason="")
 
     # -- rewards -----------------------------------------------------------------------
 
-    async def set_reward(self, digest: str, *, reward: float, interaction_id: str) -> str:
-        """Stores the reward of the named (or last) interaction; returns its id."""
+    async def set_reward(
+        self, digest: str, *, reward: float, interaction_id: str, session_id: str = ""
+    ) -> str:
+        """Stores the reward of the named (or last) interaction; returns its id.
+
+        The target episode: `session_id` when given; else the key's episode held for a late
+        reward when the key has no active episode; else the active one. A reward for the last
+        interaction of a held episode publishes it.
+        """
         if not math.isfinite(reward):
             raise InvalidRequest(f"reward must be a finite number, got {reward!r}")
-        key = await self._require_active(digest)
-        status, found = await self._scripts.set_reward.run(
+        key = await self.resolve(digest)
+        target, mode = await self._reward_target(key, session_id)
+        status, found, is_last = await self._scripts.set_reward.run(
             self._redis,
             [
                 self._keys.key(digest),
-                self._keys.episode(key.key_id, key.episode),
-                self._keys.rewards(key.key_id, key.episode),
-                self._keys.interaction_index(key.key_id, key.episode),
+                self._keys.episode(key.key_id, target.episode),
+                self._keys.rewards(key.key_id, target.episode),
+                self._keys.interaction_index(key.key_id, target.episode),
             ],
-            [key.episode, key.epoch, interaction_id, repr(float(reward))],
+            [target.episode, target.epoch, interaction_id, repr(float(reward)), mode],
         )
         if status == b"not_active":
             raise Conflict(NO_ACTIVE_EPISODE)
@@ -318,8 +525,27 @@ class SessionStore:
             raise Conflict("no completed interaction yet: chat first, then set the reward")
         if status == b"not_found":
             raise NotFound(f"interaction {interaction_id} not found in the current episode")
-        log.info("reward_set", session_id=key.episode, interaction_id=_text(found))
+        log.info("reward_set", session_id=target.episode, interaction_id=_text(found), mode=mode)
+        if mode == "held" and int(is_last):
+            await self.publish(target, end_reason="")
         return _text(found)
+
+    async def _reward_target(self, key: KeyState, session_id: str) -> tuple[KeyState, str]:
+        if session_id and not (key.active and key.episode == session_id):
+            state, epoch = await self._redis.hmget(
+                self._keys.episode(key.key_id, session_id), "state", "epoch"
+            )
+            if state is None:
+                raise NotFound(f"episode {session_id} not found for this key")
+            if state != HELD.encode():
+                raise Conflict(f"episode {session_id} has ended and was published already")
+            return _held(key, session_id, int(epoch or 0)), "held"
+        if not session_id and not key.active and key.held:
+            epoch = await self._redis.hget(self._keys.episode(key.key_id, key.held), "epoch")
+            return _held(key, key.held, int(epoch or 0)), "held"
+        if not key.active:
+            raise Conflict(NO_ACTIVE_EPISODE)
+        return key, "active"
 
     # -- resolve / turns / history ------------------------------------------------------
 
@@ -352,6 +578,7 @@ class SessionStore:
         self, episode: ActiveEpisode, *, interaction_id: str, record: bytes
     ) -> int:
         """Appends a completed turn if its episode is still active; returns its index."""
+        now = time.time()
         status, index = await self._scripts.append_turn.run(
             self._redis,
             [
@@ -359,8 +586,17 @@ class SessionStore:
                 self._keys.episode(episode.key_id, episode.episode),
                 self._keys.turns(episode.key_id, episode.episode),
                 self._keys.interaction_index(episode.key_id, episode.episode),
+                self._keys.idle,
             ],
-            [episode.episode, episode.epoch, interaction_id, record, repr(time.time())],
+            [
+                episode.episode,
+                episode.epoch,
+                interaction_id,
+                record,
+                repr(now),
+                repr(now + self._policy.session_idle_timeout_s),
+                f"{episode.digest}/{episode.episode}",
+            ],
         )
         if status == b"ended":
             raise Unavailable(EPISODE_ENDED, code="episode_ended", retry_after_s=1.0)
@@ -396,9 +632,9 @@ class SessionStore:
 
     async def _read_key(self, digest: str) -> KeyState | None:
         fields: list[Any] = await self._redis.hmget(
-            self._keys.key(digest), "key_id", "state", "episode", "epoch", "task_id"
+            self._keys.key(digest), "key_id", "state", "episode", "epoch", "task_id", "held"
         )
-        key_id, state, episode, epoch, task_id = fields
+        key_id, state, episode, epoch, task_id, held = fields
         if key_id is None:
             return None
         return KeyState(
@@ -408,4 +644,11 @@ class SessionStore:
             episode=_text(episode),
             epoch=int(epoch or 0),
             task_id=_text(task_id),
+            held=_text(held),
         )
+
+
+def _held(key: KeyState, episode: str, epoch: int) -> KeyState:
+    return KeyState(
+        digest=key.digest, key_id=key.key_id, active=False, episode=episode, epoch=epoch
+    )

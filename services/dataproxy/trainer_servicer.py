@@ -12,7 +12,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from protos import trainer_pb2, trainer_pb2_grpc
+from services.dataproxy.control import CapacityPolicy, Control
+from services.dataproxy.groups import GroupDirectory, GroupTag, complete_groups, tagged
 from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import Scripts
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_auth import TrainerAuth
 from services.dataproxy.trajectory import StreamEntry, TrajectoryStream
@@ -27,7 +30,7 @@ _SHUTTING_DOWN = "the dataproxy is shutting down; pull again (another replica wi
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    """PullTrajectories, Ack, SetWeightVersion, GetStats over the trajectories stream."""
+    """Pulls, acks, weight version, stats, pause/resume and capacity grants."""
 
     def __init__(
         self,
@@ -36,9 +39,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         keys: RedisKeys,
         settings: DataProxySettings,
         reclaim_idle_s: float = 60.0,
+        control: Control | None = None,
     ) -> None:
         self._auth = TrainerAuth(admin_key=settings.admin_key, trainer_key=settings.trainer_key)
         self._stream = TrajectoryStream(redis=redis, keys=keys, reclaim_idle_s=reclaim_idle_s)
+        self._control = control or build_control(redis=redis, keys=keys, settings=settings)
+        self._groups = GroupDirectory(redis=redis, keys=keys)
         self._stopping = asyncio.Event()
 
     async def close(self) -> None:
@@ -52,16 +58,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         await self._authorize(context)
         await self._check_pull(request, context)
         async with _redis_errors(context):
-            async for entry in self._stream.pull(
-                request.group,
-                request.consumer,
-                max_count=request.max_count,
-                idle_timeout_s=request.idle_timeout_s,
-                stopping=self._stopping,
-            ):
-                yield _message(entry)
+            async for entry, tag in self._pull(request):
+                yield _message(entry, tag)
         if self._stopping.is_set():
             await abort_with(context, Unavailable(_SHUTTING_DOWN, retry_after_s=1.0))
+
+    def _pull(
+        self, request: trainer_pb2.PullTrajectoriesRequest
+    ) -> AsyncIterator[tuple[StreamEntry, GroupTag | None]]:
+        grouped = request.complete_groups_only
+        source = self._stream.pull(
+            request.group,
+            request.consumer,
+            # Grouped pulls count what they deliver themselves (a group is never split).
+            max_count=0 if grouped else request.max_count,
+            idle_timeout_s=request.idle_timeout_s,
+            stopping=self._stopping,
+        )
+        if grouped:
+            return complete_groups(source, self._groups, max_count=request.max_count)
+        return tagged(source, self._groups)
 
     async def Ack(
         self, request: trainer_pb2.AckRequest, context: Context
@@ -86,10 +102,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def GetStats(
         self, request: trainer_pb2.GetStatsRequest, context: Context
     ) -> trainer_pb2.GetStatsResponse:
-        """Counters: published, consumed, pending, empty episodes, weight version."""
+        """Counters, capacity left, paused, turns in flight and the join rate."""
         await self._authorize(context)
         async with _redis_errors(context):
             stats = await self._stream.stats()
+            control = await self._control.snapshot()
         return trainer_pb2.GetStatsResponse(
             open_episodes=stats.open_episodes,
             published=stats.published,
@@ -97,7 +114,40 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             pending=stats.pending,
             weight_version=stats.weight_version,
             empty_episodes=stats.empty_episodes,
+            capacity=control.capacity,
+            paused=control.paused,
+            join_rate=control.join_rate,
+            in_flight=control.in_flight,
         )
+
+    async def PauseSubmission(
+        self, request: trainer_pb2.PauseSubmissionRequest, context: Context
+    ) -> trainer_pb2.PauseSubmissionResponse:
+        """New turns wait (then 503); returns once running turns finished or the timeout."""
+        await self._authorize(context)
+        async with _redis_errors(context):
+            result = await self._control.pause(request.timeout_s)
+        return trainer_pb2.PauseSubmissionResponse(
+            drained=result.drained, in_flight=result.in_flight
+        )
+
+    async def ResumeSubmission(
+        self, request: trainer_pb2.ResumeSubmissionRequest, context: Context
+    ) -> trainer_pb2.ResumeSubmissionResponse:
+        """Releases the turns waiting for a resume."""
+        await self._authorize(context)
+        async with _redis_errors(context):
+            await self._control.resume()
+        return trainer_pb2.ResumeSubmissionResponse()
+
+    async def GrantCapacity(
+        self, request: trainer_pb2.GrantCapacityRequest, context: Context
+    ) -> trainer_pb2.GrantCapacityResponse:
+        """Adds capacity for `episodes` more episodes (capacity is finite from then on)."""
+        await self._authorize(context)
+        async with _redis_errors(context):
+            capacity = await self._control.grant(request.episodes)
+        return trainer_pb2.GrantCapacityResponse(capacity=capacity)
 
     async def _check_pull(
         self, request: trainer_pb2.PullTrajectoriesRequest, context: Context
@@ -114,12 +164,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await abort_with(context, err)
 
 
-def _message(entry: StreamEntry) -> trainer_pb2.TrajectoryMessage:
+def build_control(*, redis: Redis, keys: RedisKeys, settings: DataProxySettings) -> Control:
+    """The control layer with the settings' capacity policy and pause timings."""
+    return Control(
+        redis=redis,
+        keys=keys,
+        scripts=Scripts.load(),
+        policy=CapacityPolicy(
+            max_head_offpolicyness=settings.max_head_offpolicyness,
+            batch_size=settings.batch_size,
+        ),
+        turn_timeout_s=settings.turn_timeout_s,
+        pause_wait_s=settings.pause_wait_s,
+        pause_drain_timeout_s=settings.pause_drain_timeout_s,
+    )
+
+
+def _message(entry: StreamEntry, tag: GroupTag | None) -> trainer_pb2.TrajectoryMessage:
     return trainer_pb2.TrajectoryMessage(
         stream_id=entry.stream_id,
         trajectory_id=entry.trajectory_id,
         data=entry.data,
         codec=entry.codec,
+        group_id=tag.group_id if tag else "",
+        group_size=tag.group_size if tag else 0,
     )
 
 

@@ -47,8 +47,19 @@ def unpack_float32(data: bytes) -> list[float]:
     return values.tolist()
 
 
-def encode_turn(record: common_pb2.TurnRecord, *, weight_version: int, now: float) -> bytes:
-    """The msgpack turn record of docs/internals.md; JSON fields stay bytes."""
+def encode_turn(
+    record: common_pb2.TurnRecord,
+    *,
+    weight_version: int,
+    now: float,
+    weight_version_end: int | None = None,
+) -> bytes:
+    """The msgpack turn record of docs/internals.md; JSON fields stay bytes.
+
+    `weight_version` is the version when the turn was admitted (every token is stamped with
+    it); `weight_version_end` the version when it finished (differs only when the trainer
+    changed weights without pausing submission first).
+    """
     data: bytes = msgpack.packb(
         {
             "interaction_id": record.interaction_id,
@@ -67,6 +78,9 @@ def encode_turn(record: common_pb2.TurnRecord, *, weight_version: int, now: floa
             "exact_tokens": record.exact_tokens,
             "length_mismatch": record.length_mismatch,
             "weight_version": weight_version,
+            "weight_version_end": weight_version
+            if weight_version_end is None
+            else weight_version_end,
         },
         use_bin_type=True,
     )

@@ -19,6 +19,9 @@ from services.gateway.http_errors import json_response
 from services.runtime.errors import InvalidRequest, from_rpc_error
 from services.runtime.keys import constant_time_equals, key_digest, looks_like_session_key
 
+# As the dataproxy allows (services/dataproxy/sessions.py MAX_GROUP_SIZE).
+MAX_GROUP_SIZE = 1024
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StartSessionCall:
@@ -26,6 +29,7 @@ class StartSessionCall:
 
     task_id: str
     api_key: str
+    group_size: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +38,7 @@ class SetRewardCall:
 
     reward: float
     interaction_id: str
+    session_id: str = ""
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -58,10 +63,22 @@ def _optional_str(body: dict[str, Any], name: str) -> str:
     return value
 
 
+def _group_size(body: dict[str, Any]) -> int:
+    value = body.get("group_size")
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_GROUP_SIZE:
+        raise InvalidRequest(
+            f"`group_size` must be an integer from 1 to {MAX_GROUP_SIZE}", code="invalid_group_size"
+        )
+    return value
+
+
 def parse_start_session(raw: bytes, admin_key: str) -> StartSessionCall:
-    """`{task_id?, api_key?}`; refuses the admin key as a session key."""
+    """`{task_id?, api_key?, group_size?}`; refuses the admin key as a session key."""
     body = _json_object(raw)
     task_id = _optional_str(body, "task_id")
+    group_size = _group_size(body)
     api_key = _optional_str(body, "api_key").strip()
     if api_key and constant_time_equals(api_key, admin_key):
         raise InvalidRequest(
@@ -74,7 +91,12 @@ def parse_start_session(raw: bytes, admin_key: str) -> StartSessionCall:
             "api_key must be a `sk-sess-…` key returned by an earlier /rl/start_session",
             code="not_a_session_key",
         )
-    return StartSessionCall(task_id=task_id, api_key=api_key)
+    if api_key and group_size > 1:
+        raise InvalidRequest(
+            "group_size > 1 starts new keys: omit api_key (a refresh is per key)",
+            code="group_with_api_key",
+        )
+    return StartSessionCall(task_id=task_id, api_key=api_key, group_size=group_size)
 
 
 def _finite_float(text: str) -> float:
@@ -89,7 +111,7 @@ def _non_finite(_: str) -> float:
 
 
 def parse_set_reward(raw: bytes) -> SetRewardCall:
-    """`{reward, interaction_id?}` with a finite numeric reward."""
+    """`{reward, interaction_id?, session_id?}` with a finite numeric reward."""
     try:
         body = _json_object(raw)
     except InvalidRequest:
@@ -100,7 +122,11 @@ def parse_set_reward(raw: bytes) -> SetRewardCall:
     reward = body.get("reward")
     if not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward):
         raise InvalidRequest("reward must be a finite number", code="invalid_reward")
-    return SetRewardCall(reward=float(reward), interaction_id=_optional_str(body, "interaction_id"))
+    return SetRewardCall(
+        reward=float(reward),
+        interaction_id=_optional_str(body, "interaction_id"),
+        session_id=_optional_str(body, "session_id"),
+    )
 
 
 async def start_session(request: web.Request) -> web.Response:
@@ -108,14 +134,22 @@ async def start_session(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     require_admin_key(request.headers, settings.admin_key)
     call = parse_start_session(await request.read(), settings.admin_key)
-    rpc_request = dataproxy_pb2.StartSessionRequest(task_id=call.task_id, api_key=call.api_key)
+    rpc_request = dataproxy_pb2.StartSessionRequest(
+        task_id=call.task_id, api_key=call.api_key, group_size=call.group_size
+    )
     try:
         response = await request.app[BACKENDS].dataproxy.StartSession(
             rpc_request, timeout=settings.start_session_timeout_s
         )
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="dataproxy") from None
-    return json_response({"session_id": response.session_id, "api_key": response.api_key})
+    body: dict[str, Any] = {"session_id": response.session_id, "api_key": response.api_key}
+    if response.group_id:
+        body["group_id"] = response.group_id
+        body["members"] = [
+            {"session_id": m.session_id, "api_key": m.api_key} for m in response.members
+        ]
+    return json_response(body)
 
 
 async def set_reward(request: web.Request) -> web.Response:
@@ -124,7 +158,10 @@ async def set_reward(request: web.Request) -> web.Response:
     key = require_session_key(request.headers, settings.admin_key)
     call = parse_set_reward(await request.read())
     rpc_request = dataproxy_pb2.SetRewardRequest(
-        key_digest=key_digest(key), reward=call.reward, interaction_id=call.interaction_id
+        key_digest=key_digest(key),
+        reward=call.reward,
+        interaction_id=call.interaction_id,
+        session_id=call.session_id,
     )
     try:
         response = await request.app[BACKENDS].dataproxy.SetReward(

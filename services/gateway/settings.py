@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from services.runtime.settings import env_bool, env_float, env_int, env_str
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# start_session waits the dataproxy's refresh timeout plus this much (publication, hops).
+START_SESSION_MARGIN_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,7 +27,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0
     # Deadline for routing and the small session calls (set_reward, models, ...).
     rpc_timeout_s: float = 5.0
-    # start_session may wait for capacity (the dataproxy's refresh timeout is 120 s).
+    # start_session may wait for capacity: the dataproxy's refresh timeout plus a margin.
     start_session_timeout_s: float = 130.0
     # end_session publishes the trajectory: more work than a reward.
     end_session_timeout_s: float = 30.0
@@ -56,6 +58,9 @@ class GatewaySettings:
         if request_timeout_s <= 0:
             raise ValueError(f"ROLLGATE_REQUEST_TIMEOUT_S={request_timeout_s} must be positive")
         raw_json = environ.get("ROLLGATE_LOG_JSON", "").strip().lower()
+        refresh_timeout_s = env_float(environ, "ROLLGATE_REFRESH_TIMEOUT_S", 120.0)
+        if refresh_timeout_s <= 0:
+            raise ValueError(f"ROLLGATE_REFRESH_TIMEOUT_S={refresh_timeout_s} must be positive")
         return cls(
             admin_key=admin_key,
             host=host or env_str(environ, "ROLLGATE_GATEWAY_HOST", "127.0.0.1"),
@@ -64,6 +69,7 @@ class GatewaySettings:
             dataproxy_addr=env_str(environ, "ROLLGATE_DATAPROXY_ADDR", "127.0.0.1:50052"),
             max_body_bytes=max_body_bytes,
             request_timeout_s=request_timeout_s,
+            start_session_timeout_s=refresh_timeout_s + START_SESSION_MARGIN_S,
             grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),
             log_level=env_str(environ, "ROLLGATE_LOG_LEVEL", "info"),
             log_json=None

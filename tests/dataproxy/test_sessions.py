@@ -81,8 +81,11 @@ async def stream_entries(redis: aioredis.Redis, keys: RedisKeys) -> list[dict[by
 
 
 async def stored_bytes(redis: aioredis.Redis, name: bytes) -> bytes:
-    """Everything a hash, list or string key holds, concatenated."""
+    """Everything a hash, list, zset or string key holds, concatenated."""
     kind = await redis.type(name)
+    if kind == b"zset":
+        members: Any = await redis.zrange(name, 0, -1)
+        return b"".join(members)
     if kind == b"hash":
         fields: Any = await redis.hgetall(name)
         return b"".join(bytes(k) + bytes(v) for k, v in fields.items())

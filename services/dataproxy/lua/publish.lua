@@ -1,11 +1,17 @@
--- Ends the key's active episode: publishes its trajectory (or marks it empty) and unbinds
--- the key. Idempotent: a retry finds the episode ended and returns what was stored.
+-- Ends an episode: publishes its trajectory (or marks it empty), or holds it for a late
+-- reward; unbinds the key. Idempotent: a retry finds the episode ended and returns what was
+-- stored. A held episode (`ended_awaiting_reward`) is published later by this same script.
 -- KEYS[1] key hash, KEYS[2] episode hash, KEYS[3] turns, KEYS[4] rewards, KEYS[5] index,
--- KEYS[6] trajectories stream, KEYS[7] stats hash
--- ARGV: episode, epoch, expected turn count, trajectory_id, codec, data, now, end_reason,
--- ttl_s of the ended episode's hash
+-- KEYS[6] trajectories stream, KEYS[7] stats hash, KEYS[8] idle zset, KEYS[9] awaiting zset,
+-- KEYS[10] trajectory's group record, KEYS[11] group hash (unused without a group)
+-- ARGV[1] episode, ARGV[2] epoch, ARGV[3] expected turn count, ARGV[4] trajectory_id,
+-- ARGV[5] codec, ARGV[6] data ('' when the caller wants a hold), ARGV[7] now,
+-- ARGV[8] end_reason, ARGV[9] ttl_s of ended records, ARGV[10] zset member,
+-- ARGV[11] interactions, ARGV[12] joined interactions, ARGV[13] hold deadline (0: publish),
+-- ARGV[14] group_id, ARGV[15] group_size
 -- Returns {status, stream_id, trajectory_id, turns}: published | empty (both also for a
--- retry) | missing | stale (not the key's active episode) | retry (the turn count changed).
+-- retry) | held | missing | stale (not the key's active episode) | retry (re-read: a turn or
+-- a reward landed since the caller read the episode).
 local ep_state = redis.call('HGET', KEYS[2], 'state')
 if not ep_state then
   return {'missing', '', '', 0}
@@ -18,12 +24,35 @@ if ep_state == 'published' or ep_state == 'empty' then
   end
   return {ep_state, ep[1] or '', trajectory_id, tonumber(ep[3] or '0')}
 end
-local key = redis.call('HMGET', KEYS[1], 'state', 'episode', 'epoch')
-if ep_state ~= 'active' or key[1] ~= 'active' or key[2] ~= ARGV[1] or key[3] ~= ARGV[2] then
-  return {'stale', '', '', 0}
+local held = ep_state == 'ended_awaiting_reward'
+if held then
+  if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then
+    return {'stale', '', '', 0}
+  end
+else
+  local key = redis.call('HMGET', KEYS[1], 'state', 'episode', 'epoch')
+  if ep_state ~= 'active' or key[1] ~= 'active' or key[2] ~= ARGV[1] or key[3] ~= ARGV[2] then
+    return {'stale', '', '', 0}
+  end
 end
 local turns = redis.call('LLEN', KEYS[3])
 if turns ~= tonumber(ARGV[3]) then
+  return {'retry', '', '', turns}
+end
+local hold_deadline = tonumber(ARGV[13])
+if hold_deadline > 0 and not held and turns > 0 then
+  local last = redis.call('HGET', KEYS[2], 'last_interaction') or ''
+  if redis.call('HEXISTS', KEYS[4], last) == 1 then
+    return {'retry', '', '', turns}
+  end
+  redis.call('HSET', KEYS[2], 'state', 'ended_awaiting_reward', 'ended_at', ARGV[7],
+    'end_reason', ARGV[8])
+  redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '', 'held', ARGV[1])
+  redis.call('ZREM', KEYS[8], ARGV[10])
+  redis.call('ZADD', KEYS[9], hold_deadline, ARGV[10])
+  return {'held', '', ARGV[4], turns}
+end
+if turns > 0 and ARGV[6] == '' then
   return {'retry', '', '', turns}
 end
 local status = 'empty'
@@ -37,10 +66,32 @@ else
   stream_id = redis.call('XADD', KEYS[6], '*', 'trajectory_id', ARGV[4], 'codec', ARGV[5],
     'data', ARGV[6])
   redis.call('HINCRBY', KEYS[7], 'published', 1)
+  redis.call('HINCRBY', KEYS[7], 'interactions', tonumber(ARGV[11]))
+  redis.call('HINCRBY', KEYS[7], 'joined', tonumber(ARGV[12]))
+end
+redis.call('HINCRBY', KEYS[7], 'open_episodes', -1)
+if ARGV[14] ~= '' then
+  redis.call('HINCRBY', KEYS[11], 'done', 1)
+  if turns > 0 then
+    redis.call('HSET', KEYS[10], 'group_id', ARGV[14], 'group_size', tonumber(ARGV[15]))
+    redis.call('EXPIRE', KEYS[10], tonumber(ARGV[9]))
+  end
+end
+local ended_at = ARGV[7]
+if held then
+  ended_at = redis.call('HGET', KEYS[2], 'ended_at') or ARGV[7]
 end
 redis.call('HSET', KEYS[2], 'state', status, 'stream_id', stream_id, 'turns', turns,
-  'ended_at', ARGV[7], 'end_reason', ARGV[8])
-redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '')
+  'ended_at', ended_at, 'end_reason', ARGV[8])
+if held then
+  if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then
+    redis.call('HDEL', KEYS[1], 'held')
+  end
+else
+  redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '')
+end
+redis.call('ZREM', KEYS[8], ARGV[10])
+redis.call('ZREM', KEYS[9], ARGV[10])
 redis.call('UNLINK', KEYS[3], KEYS[4], KEYS[5])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[9]))
 return {status, stream_id, trajectory_id, turns}

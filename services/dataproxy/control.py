@@ -1,0 +1,210 @@
+"""Trainer control in Redis, shared by every replica: capacity, pause/resume, in-flight turns."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import Scripts
+from services.runtime.errors import InvalidRequest, Unavailable
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+PAUSED_MESSAGE = "submission paused for weight update"
+# A turn's lease outlives its deadline by this much; a crashed replica's leases then expire.
+LEASE_MARGIN_S = 5.0
+# Polling backoff while waiting for a resume or for running turns to finish.
+POLL_MIN_S = 0.02
+POLL_MAX_S = 0.25
+# Every call that leaves the process has a deadline.
+COMMAND_TIMEOUT_S = 5.0
+UNLIMITED = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CapacityPolicy:
+    """How many episodes may be open or published: AReaL's staleness bound, if configured."""
+
+    max_head_offpolicyness: int | None = None
+    batch_size: int = 1
+
+    @property
+    def bound_args(self) -> tuple[int, int]:
+        """(offpolicyness, batch size) as the bind script takes them; -1: no bound."""
+        ofp = -1 if self.max_head_offpolicyness is None else self.max_head_offpolicyness
+        return ofp, self.batch_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnLease:
+    """An admitted turn: its in-flight token and the weight version when it was admitted."""
+
+    token: str
+    weight_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PauseResult:
+    """What PauseSubmission reports: whether running turns drained, and how many still run."""
+
+    drained: bool
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlSnapshot:
+    """The control half of GetStats."""
+
+    capacity: int
+    paused: bool
+    in_flight: int
+    join_rate: float
+
+
+def capacity_left(
+    policy: CapacityPolicy, *, open_episodes: int, published: int, version: int, grants: int | None
+) -> int:
+    """Episodes that may still start (UNLIMITED = -1), as the bind script computes it."""
+    if policy.max_head_offpolicyness is None and grants is None:
+        return UNLIMITED
+    headroom = 0
+    if policy.max_head_offpolicyness is not None:
+        bound = (policy.max_head_offpolicyness + version + 1) * policy.batch_size
+        headroom = max(0, bound - open_episodes - published)
+    return headroom + (grants or 0)
+
+
+class Control:
+    """Pause, resume, admission of turns, grants and the control counters, all in Redis."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        scripts: Scripts,
+        policy: CapacityPolicy,
+        turn_timeout_s: float = 600.0,
+        pause_wait_s: float = 30.0,
+        pause_drain_timeout_s: float = 60.0,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._scripts = scripts
+        self._policy = policy
+        self._lease_s = turn_timeout_s + LEASE_MARGIN_S
+        self._pause_wait_s = pause_wait_s
+        self._pause_drain_timeout_s = pause_drain_timeout_s
+
+    # -- turns -------------------------------------------------------------------------
+
+    async def admit(self) -> TurnLease:
+        """Registers a running turn; while paused waits up to pause_wait_s, then 503."""
+        token = secrets.token_hex(12)
+        deadline = time.monotonic() + self._pause_wait_s
+        delay = POLL_MIN_S
+        while True:
+            now = time.time()
+            async with asyncio.timeout(COMMAND_TIMEOUT_S):
+                status, version = await self._scripts.begin_turn.run(
+                    self._redis,
+                    [self._keys.paused, self._keys.in_flight, self._keys.weight_version],
+                    [token, repr(now + self._lease_s), repr(now)],
+                )
+            if status == b"ok":
+                return TurnLease(token=token, weight_version=int(version))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(
+                    PAUSED_MESSAGE, code="submission_paused", retry_after_s=self._pause_wait_s
+                )
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, POLL_MAX_S)
+
+    async def release(self, lease: TurnLease) -> None:
+        """The turn finished (recorded or not): it no longer counts as in flight."""
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await self._redis.zrem(self._keys.in_flight, lease.token)
+
+    async def in_flight(self) -> int:
+        """Turns running over all replicas (expired leases of dead replicas not counted)."""
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            return int(await self._redis.zcount(self._keys.in_flight, f"({time.time()!r}", "+inf"))
+
+    async def weight_version(self) -> int:
+        """The current weight version."""
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            return int(await self._redis.get(self._keys.weight_version) or 0)
+
+    # -- pause / resume ----------------------------------------------------------------
+
+    async def pause(self, timeout_s: float = 0.0) -> PauseResult:
+        """Pauses new turns, then waits for running ones (timeout 0: the configured default)."""
+        wait_s = timeout_s if timeout_s > 0 else self._pause_drain_timeout_s
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await self._redis.set(self._keys.paused, repr(time.time()))
+        log.info("submission_paused", timeout_s=wait_s)
+        deadline = time.monotonic() + wait_s
+        delay = POLL_MIN_S
+        while (running := await self.in_flight()) > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("pause_timed_out", in_flight=running)
+                return PauseResult(drained=False, in_flight=running)
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, POLL_MAX_S)
+        return PauseResult(drained=True, in_flight=0)
+
+    async def resume(self) -> None:
+        """Releases waiting turns (they poll the flag)."""
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await self._redis.delete(self._keys.paused)
+        log.info("submission_resumed")
+
+    # -- capacity ----------------------------------------------------------------------
+
+    async def grant(self, episodes: int) -> int:
+        """Adds `episodes` to the capacity (capacity is finite from then on); what is left."""
+        if episodes < 0:
+            raise InvalidRequest(f"cannot grant {episodes} episodes", code="invalid_grant")
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            await self._redis.hincrby(self._keys.capacity, "grants", episodes)
+        log.info("capacity_granted", episodes=episodes)
+        return (await self.snapshot()).capacity
+
+    async def snapshot(self) -> ControlSnapshot:
+        """Capacity left, paused, turns in flight and the share of joined interactions."""
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hmget(self._keys.stats, "open_episodes", "published", "interactions", "joined")
+            pipe.get(self._keys.weight_version)
+            pipe.hget(self._keys.capacity, "grants")
+            pipe.exists(self._keys.paused)
+            pipe.zcount(self._keys.in_flight, f"({time.time()!r}", "+inf")
+            (
+                (open_, published, interactions, joined),
+                version,
+                grants,
+                paused,
+                running,
+            ) = await pipe.execute()
+        capacity = capacity_left(
+            self._policy,
+            open_episodes=int(open_ or 0),
+            published=int(published or 0),
+            version=int(version or 0),
+            grants=None if grants is None else int(grants),
+        )
+        total = int(interactions or 0)
+        return ControlSnapshot(
+            capacity=capacity,
+            paused=bool(paused),
+            in_flight=int(running),
+            join_rate=int(joined or 0) / total if total else 0.0,
+        )
