@@ -275,6 +275,7 @@ class SglangGenerateAdapter(SglangChatAdapter):
                 "input_ids": self._tokenizer.encode(prompt),
                 "sampling_params": params,
                 "return_logprob": True,
+                "return_text_in_logprobs": True,
                 "logprob_start_len": -1,
                 "stream": bool(body.get("stream")),
             }
