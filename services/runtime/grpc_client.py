@@ -18,14 +18,18 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.enable_retries", 0),
-    # A target listing several replicas ("ipv4:a:1,b:2") spreads calls and skips dead ones.
-    ("grpc.lb_policy_name", "round_robin"),
 )
+
+# A target listing several replicas ("ipv4:a:1,b:2") spreads calls and skips dead ones. One
+# address keeps pick_first: after a restart its first call reconnects at once, where
+# round_robin would fail calls fast until its reconnect backoff ends.
+_MULTI_TARGET_OPTIONS = (("grpc.lb_policy_name", "round_robin"),)
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
     """An insecure channel to `address` (host:port) with rollgate's options."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + (_MULTI_TARGET_OPTIONS if "," in address else ())
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 class ChannelPool:
