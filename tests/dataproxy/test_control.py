@@ -1,0 +1,289 @@
+"""Trainer control through a real dataproxy (DataProxy + Trainer over gRPC), worker and mock LLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import msgpack  # type: ignore[import-untyped]
+import pytest
+import redis.asyncio as aioredis
+
+from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2, trainer_pb2_grpc, worker_pb2_grpc
+from rollgate.mock_llm import MockLLM
+from services.dataproxy.__main__ import serving
+from services.dataproxy.control import PAUSED_MESSAGE
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.settings import DataProxySettings
+from services.runtime.errors import Unavailable, from_rpc_error
+from services.runtime.grpc_client import open_channel
+from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.runtime.keys import key_digest
+from services.worker.adapters import adapter_for
+from services.worker.servicer import WorkerServicer
+from services.worker.turns import TurnRunner as WorkerTurnRunner
+from services.worker.upstream import UpstreamClient
+from tests.dataproxy.test_chat import ADMIN_KEY, RPC_TIMEOUT_S, collect
+
+AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Proxy:
+    """A dataproxy (with its Trainer service) and a worker over the mock LLM."""
+
+    dataproxy: dataproxy_pb2_grpc.DataProxyStub
+    trainer: trainer_pb2_grpc.TrainerStub
+    worker_address: str
+    redis: aioredis.Redis
+    keys: RedisKeys
+
+    async def start(self, **fields: Any) -> dataproxy_pb2.StartSessionResponse:
+        reply: dataproxy_pb2.StartSessionResponse = await self.dataproxy.StartSession(
+            dataproxy_pb2.StartSessionRequest(task_id="ctl", **fields), timeout=RPC_TIMEOUT_S
+        )
+        return reply
+
+    def chat(self, api_key: str, text: str) -> Any:
+        """A streaming Chat call (not awaited)."""
+        body = (
+            b'{"model": "rollgate-mock", "messages": [{"role": "user", "content": "'
+            + text.encode()
+            + b'"}]}'
+        )
+        return self.dataproxy.Chat(
+            dataproxy_pb2.ChatRequest(
+                key_digest=key_digest(api_key),
+                worker_address=self.worker_address,
+                body_json=body,
+                request_id=f"req-{text}",
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+
+    async def stats(self) -> trainer_pb2.GetStatsResponse:
+        reply: trainer_pb2.GetStatsResponse = await self.trainer.GetStats(
+            trainer_pb2.GetStatsRequest(), metadata=AUTH, timeout=RPC_TIMEOUT_S
+        )
+        return reply
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(
+    redis_url: str, key_prefix: str, *, token_interval_ms: float = 0.0, **overrides: Any
+) -> AsyncIterator[Proxy]:
+    settings = DataProxySettings(
+        host="127.0.0.1",
+        port=0,
+        redis_url=redis_url,
+        redis_prefix=key_prefix,
+        admin_key=ADMIN_KEY,
+        turn_timeout_s=30.0,
+        grace_s=2.0,
+        **overrides,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        mock = await stack.enter_async_context(MockLLM(port=0, token_interval_ms=token_interval_ms))
+        upstream = await stack.enter_async_context(
+            UpstreamClient(base_url=mock.base_url, api_key="")
+        )
+        worker_server = GrpcServer(
+            ServerSpec(
+                name="worker", host="127.0.0.1", port=0, service_names=("rollgate.v1.Worker",)
+            )
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(
+            WorkerServicer(
+                WorkerTurnRunner(upstream=upstream, adapter=adapter_for("vllm")),
+                upstream_timeout_s=30.0,
+            ),
+            worker_server.server,
+        )
+        await stack.enter_async_context(worker_server)
+        server = await stack.enter_async_context(serving(settings))
+        channel = open_channel(f"127.0.0.1:{server.port}")
+        stack.push_async_callback(channel.close)
+        redis = aioredis.Redis.from_url(redis_url)
+        stack.push_async_callback(redis.aclose)
+        yield Proxy(
+            dataproxy=dataproxy_pb2_grpc.DataProxyStub(channel),
+            trainer=trainer_pb2_grpc.TrainerStub(channel),
+            worker_address=f"127.0.0.1:{worker_server.port}",
+            redis=redis,
+            keys=RedisKeys(key_prefix),
+        )
+
+
+async def until(check: Any, *, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_releases_them(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix, token_interval_ms=40.0) as proxy:
+        started = await proxy.start()
+        running = proxy.chat(started.api_key, "long")
+        assert (await running.read()).HasField("chunks")  # the turn is generating
+        assert (await proxy.stats()).in_flight == 1
+
+        pause = asyncio.ensure_future(
+            proxy.trainer.PauseSubmission(
+                trainer_pb2.PauseSubmissionRequest(timeout_s=10), metadata=AUTH, timeout=20
+            )
+        )
+        await until(lambda: _is_paused(proxy))
+        assert not pause.done()  # the running turn holds it
+        rest = await collect(running)
+        assert rest[-1].HasField("done")  # the running turn finished and was recorded
+        paused = await pause
+        assert paused.drained and paused.in_flight == 0
+
+        waiting = asyncio.create_task(collect(proxy.chat(started.api_key, "waits")))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await proxy.trainer.ResumeSubmission(
+            trainer_pb2.ResumeSubmissionRequest(), metadata=AUTH, timeout=RPC_TIMEOUT_S
+        )
+        async with asyncio.timeout(10):
+            assert (await waiting)[-1].HasField("done")
+        assert (await proxy.stats()).paused is False
+
+
+async def _is_paused(proxy: Proxy) -> bool:
+    return bool((await proxy.stats()).paused)
+
+
+async def test_a_turn_paused_too_long_gets_503_submission_paused(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix, pause_wait_s=0.3) as proxy:
+        started = await proxy.start()
+        reply = await proxy.trainer.PauseSubmission(
+            trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
+        )
+        assert reply.drained
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await collect(proxy.chat(started.api_key, "refused"))
+        err = from_rpc_error(caught.value, hop="dataproxy")
+        assert isinstance(err, Unavailable) and err.http_status == 503
+        assert err.message == PAUSED_MESSAGE == "submission paused for weight update"
+        assert err.retry_after_s
+        assert (await proxy.stats()).in_flight == 0
+
+
+async def test_pause_timeout_reports_the_turns_still_running(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix, token_interval_ms=60.0) as proxy:
+        started = await proxy.start()
+        running = proxy.chat(started.api_key, "slow")
+        await running.read()
+        reply = await proxy.trainer.PauseSubmission(
+            trainer_pb2.PauseSubmissionRequest(timeout_s=0.1), metadata=AUTH, timeout=5
+        )
+        assert (reply.drained, reply.in_flight) == (False, 1)
+        await collect(running)
+        await proxy.trainer.ResumeSubmission(
+            trainer_pb2.ResumeSubmissionRequest(), metadata=AUTH, timeout=5
+        )
+
+
+async def test_a_dead_replicas_expired_turn_lease_does_not_block_pause(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix) as proxy:
+        await proxy.redis.zadd(proxy.keys.in_flight, {"dead-replica-turn": time.time() - 1})
+        reply = await proxy.trainer.PauseSubmission(
+            trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
+        )
+        assert reply.drained
+
+
+async def test_turns_record_the_weight_version_at_admission_and_at_the_end(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix, token_interval_ms=30.0) as proxy:
+        started = await proxy.start()
+        await proxy.trainer.SetWeightVersion(
+            trainer_pb2.SetWeightVersionRequest(version=3), metadata=AUTH, timeout=5
+        )
+        running = proxy.chat(started.api_key, "spans")
+        await running.read()
+        # Not paused first: the version moves under a running turn.
+        await proxy.trainer.SetWeightVersion(
+            trainer_pb2.SetWeightVersionRequest(version=4), metadata=AUTH, timeout=5
+        )
+        await collect(running)
+        digest = key_digest(started.api_key)
+        key: Any = await proxy.redis.hgetall(proxy.keys.key(digest))
+        raw = await proxy.redis.lrange(
+            proxy.keys.turns(key[b"key_id"].decode(), key[b"episode"].decode()), 0, -1
+        )
+        turn = msgpack.unpackb(raw[0], raw=False)
+        assert (turn["weight_version"], turn["weight_version_end"]) == (3, 4)
+
+
+async def test_get_stats_reports_capacity_grants_and_open_episodes(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(
+        redis_url, key_prefix, max_head_offpolicyness=1, batch_size=2
+    ) as proxy:
+        assert (await proxy.stats()).capacity == 4  # (1 + 0 + 1) x 2
+        await proxy.start()
+        stats = await proxy.stats()
+        assert (stats.capacity, stats.open_episodes) == (3, 1)
+        granted = await proxy.trainer.GrantCapacity(
+            trainer_pb2.GrantCapacityRequest(episodes=5), metadata=AUTH, timeout=5
+        )
+        assert granted.capacity == 8
+
+
+async def test_complete_groups_only_delivers_a_group_once_every_member_ended(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix) as proxy:
+        group = await proxy.start(group_size=3)
+        assert len(group.members) == 3 and group.group_id
+        solo = await proxy.start()
+        keys = [m.api_key for m in group.members]
+        for api_key in [keys[0], keys[1], solo.api_key]:
+            await collect(proxy.chat(api_key, "hi"))
+            await proxy.dataproxy.EndSession(
+                dataproxy_pb2.EndSessionRequest(key_digest=key_digest(api_key)), timeout=5
+            )
+
+        first = await _pull(proxy, "c1")
+        assert [m.group_id for m in first] == [""]  # only the solo episode
+        await proxy.trainer.Ack(
+            trainer_pb2.AckRequest(group="grpo", stream_ids=[first[0].stream_id]),
+            metadata=AUTH,
+            timeout=5,
+        )
+        # The last member ends empty: it counts as done, is not delivered, the group is.
+        await proxy.dataproxy.EndSession(
+            dataproxy_pb2.EndSessionRequest(key_digest=key_digest(keys[2])), timeout=5
+        )
+        second = await _pull(proxy, "c1")
+        assert [m.group_id for m in second] == [group.group_id] * 2
+        assert {m.group_size for m in second} == {3}
+
+
+async def _pull(proxy: Proxy, consumer: str) -> list[trainer_pb2.TrajectoryMessage]:
+    call = proxy.trainer.PullTrajectories(
+        trainer_pb2.PullTrajectoriesRequest(
+            group="grpo", consumer=consumer, idle_timeout_s=0.6, complete_groups_only=True
+        ),
+        metadata=AUTH,
+        timeout=20,
+    )
+    return [message async for message in call]
