@@ -21,6 +21,7 @@ commands:
   mock-llm              run the built-in mock LLM (vLLM / SGLang / OpenAI wire formats)
   check-upstream        one real request to each configured upstream and through the stack
   trajectories tail     show published trajectories as they arrive (never consumes them)
+  trajectories export   write published trajectories to JSON Lines (never consumes them)
 
 `rollgate <command> --help` for a command's options.
 """
@@ -239,12 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return mock_main(rest)
     if command == "trajectories":
-        if not rest or rest[0] != "tail":
-            print("usage: rollgate trajectories tail [--json] [--from-start] [--count N]")
+        if not rest or rest[0] not in {"tail", "export"}:
+            print("usage: rollgate trajectories {tail,export} [--help]")
             return 2
-        from rollgate.trajectories_cli import tail_main
+        from rollgate.trajectories_cli import export_main, tail_main
 
-        return tail_main(rest[1:])
+        return (tail_main if rest[0] == "tail" else export_main)(rest[1:])
     print(f"rollgate: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 
