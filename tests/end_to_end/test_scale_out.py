@@ -42,7 +42,10 @@ RACING_EVERY = 3
 TURNS_PER_STEP = 60
 STEP_DEADLINE_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
-ATTEMPTS = 40
+# How long one operation is retried. A refresh whose dataproxy died mid-way leaves the key's
+# refresh marker behind until it expires (the dataproxy's refresh_lock_s, 130 s): meanwhile
+# refreshes of that key get 429, so an operation must outlast it.
+OP_DEADLINE_S = 240.0
 # Failures that certainly changed nothing: no connection, or "a refresh is already running".
 NEVER_SERVED = ("ClientConnectorError", "http_429")
 FILLER = "please tell me something short about distributed systems and their failure modes"
@@ -258,9 +261,38 @@ def _http_kind(status: int, raw: bytes) -> str:
     return f"http_{status}"
 
 
-async def _backoff(attempt: int) -> None:
-    """A client's pause before retrying a failed request (not a wait for state)."""
-    await asyncio.sleep(min(2.0, 0.1 * (attempt + 1)))
+class Attempts:
+    """Attempt numbers until a deadline, each failure remembered for the error message."""
+
+    def __init__(self, what: str, ledger: Ledger) -> None:
+        self.what = what
+        self.ledger = ledger
+        self.began = time.monotonic()
+        self.failures: list[tuple[float, str]] = []
+
+    def __iter__(self) -> Iterator[int]:
+        attempt = 0
+        while attempt == 0 or time.monotonic() - self.began < OP_DEADLINE_S:
+            yield attempt
+            attempt += 1
+
+    async def failed(self, attempt: int, failed: Failed) -> None:
+        """Remembers the failure and pauses before the next attempt (client backoff)."""
+        self.failures.append((time.monotonic() - self.began, failed.kind))
+        await asyncio.sleep(min(2.0, 0.1 * (attempt + 1)))
+
+    def blocked_s(self, kind: str) -> float:
+        """How long attempts kept failing with `kind` (0 when none did)."""
+        times = [at for at, k in self.failures if k.startswith(kind)]
+        return times[-1] - times[0] if times else 0.0
+
+    def give_up(self) -> AssertionError:
+        """The error for an operation that never succeeded."""
+        tail = ", ".join(f"{at:.1f}s {kind}" for at, kind in self.failures[-8:])
+        return AssertionError(
+            f"{self.what}: {len(self.failures)} failures in {OP_DEADLINE_S:.0f}s, "
+            f"last ones: {tail}\n{self.ledger.summary()}"
+        )
 
 
 class Run:
@@ -292,12 +324,13 @@ class Run:
             )
 
     async def _retry(self, gateway: int, what: str, call: Any) -> Any:
-        for attempt in range(ATTEMPTS):
+        attempts = Attempts(what, self.ledger)
+        for attempt in attempts:
             try:
                 return await call((gateway + attempt) % 2)
-            except Failed:
-                await _backoff(attempt)
-        raise AssertionError(f"{what} failed {ATTEMPTS} times\n{self.ledger.summary()}")
+            except Failed as failed:
+                await attempts.failed(attempt, failed)
+        raise attempts.give_up()
 
     async def drive(self, agent: Agent) -> None:
         """Episodes of a few turns, each ended by a refresh, until told to stop; then end."""
@@ -336,18 +369,19 @@ class Run:
     async def sequential_turn(self, agent: Agent, text: str, stream: bool) -> None:
         """One turn, retried through the other gateway until it is answered."""
         messages = self._ask(agent, text)
-        for attempt in range(ATTEMPTS):
+        attempts = Attempts(f"agent {agent.index}: {text}", self.ledger)
+        for attempt in attempts:
             gateway = (agent.chat_gateway + attempt) % 2
             try:
                 answer = await self.client.chat(gateway, agent.key, messages, stream=stream)
-            except Failed:
-                await _backoff(attempt)
+            except Failed as failed:
+                await attempts.failed(attempt, failed)
                 continue
             # Nothing else touches this key meanwhile: the turn is in the current episode.
             self._record(agent, answer, gateway, stream=stream, session_id=agent.sessions[-1])
             agent.messages = [*messages, {"role": "assistant", "content": answer.content}]
             return
-        raise AssertionError(f"agent {agent.index}: no answer\n{self.ledger.summary()}")
+        raise attempts.give_up()
 
     async def racing_turn_and_refresh(self, agent: Agent, text: str) -> None:
         """A streamed turn with a refresh of the same key, through the other gateway, mid-stream."""
@@ -377,7 +411,8 @@ class Run:
     async def refresh(self, agent: Agent) -> None:
         """Ends the episode and starts the next on the same key, through the other gateway."""
         body = {"task_id": "scale", "api_key": agent.key}
-        for attempt in range(ATTEMPTS):
+        attempts = Attempts(f"agent {agent.index}: refresh", self.ledger)
+        for attempt in attempts:
             gateway = (1 - agent.chat_gateway + attempt) % 2
             try:
                 reply = await self.client.post(
@@ -386,19 +421,22 @@ class Run:
             except Failed as failed:
                 if not failed.kind.startswith(NEVER_SERVED):
                     agent.unsure_endings += 1
-                await _backoff(attempt)
+                await attempts.failed(attempt, failed)
                 continue
+            if (blocked := attempts.blocked_s("http_429")) > 5.0:
+                self.ledger.note(f"agent {agent.index}: refreshes got 429 for {blocked:.1f}s")
             assert reply["api_key"] == agent.key, "a refresh keeps the key"
             agent.sessions.append(reply["session_id"])
             agent.messages = []
             self.ledger.refreshes += 1
             return
-        raise AssertionError(f"agent {agent.index}: no refresh\n{self.ledger.summary()}")
+        raise attempts.give_up()
 
     async def end(self, agent: Agent) -> None:
         """Ends the last episode; a 409 after a failed attempt means that attempt ended it."""
         unsure = False
-        for attempt in range(ATTEMPTS):
+        attempts = Attempts(f"agent {agent.index}: end", self.ledger)
+        for attempt in attempts:
             gateway = (agent.chat_gateway + attempt) % 2
             try:
                 reply = await self.client.post(gateway, "/rl/end_session", {}, agent.key, "end")
@@ -409,7 +447,7 @@ class Run:
                 if not failed.kind.startswith(NEVER_SERVED):
                     agent.unsure_endings += 1
                     unsure = True
-                await _backoff(attempt)
+                await attempts.failed(attempt, failed)
                 continue
             agent.ended = Ended(
                 session_id=reply["session_id"],
@@ -417,7 +455,7 @@ class Run:
                 interaction_count=int(reply["interaction_count"]),
             )
             return
-        raise AssertionError(f"agent {agent.index}: no end\n{self.ledger.summary()}")
+        raise attempts.give_up()
 
     # -- disruption -----------------------------------------------------------------------
 
