@@ -287,3 +287,23 @@ async def _pull(proxy: Proxy, consumer: str) -> list[trainer_pb2.TrajectoryMessa
         timeout=20,
     )
     return [message async for message in call]
+
+
+async def test_a_turn_that_outlives_its_episode_is_refused_and_leaves_no_lease(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(redis_url, key_prefix, token_interval_ms=30.0) as proxy:
+        started = await proxy.start()
+        running = proxy.chat(started.api_key, "late")
+        await running.read()
+        await proxy.dataproxy.EndSession(
+            dataproxy_pb2.EndSessionRequest(key_digest=key_digest(started.api_key)), timeout=5
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await collect(running)
+        assert from_rpc_error(caught.value, hop="dataproxy").code == "episode_ended"
+        assert (await proxy.stats()).in_flight == 0
+        reply = await proxy.trainer.PauseSubmission(
+            trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
+        )
+        assert reply.drained
