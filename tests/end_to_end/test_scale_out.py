@@ -39,7 +39,7 @@ TURNS_PER_EPISODE = 3
 # Every third agent refreshes its key while its last turn of the episode is still streaming.
 RACING_EVERY = 3
 # Answered turns between two steps of the disruption (warm-up, each kill, the restarts).
-TURNS_PER_STEP = 60
+TURNS_PER_STEP = 100
 STEP_DEADLINE_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 # How long one operation is retried. A refresh whose dataproxy died mid-way leaves the key's
