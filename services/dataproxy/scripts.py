@@ -44,6 +44,7 @@ class Scripts:
     set_reward: LuaScript
     publish: LuaScript
     release_marker: LuaScript
+    extend_marker: LuaScript
     begin_turn: LuaScript
     claim_due: LuaScript
 
@@ -56,6 +57,7 @@ class Scripts:
             set_reward=LuaScript.load("set_reward"),
             publish=LuaScript.load("publish"),
             release_marker=LuaScript.load("release_marker"),
+            extend_marker=LuaScript.load("extend_marker"),
             begin_turn=LuaScript.load("begin_turn"),
             claim_due=LuaScript.load("claim_due"),
         )

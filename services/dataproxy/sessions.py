@@ -8,9 +8,11 @@ stream entry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,8 @@ NO_CAPACITY = (
 )
 HELD = "ended_awaiting_reward"
 MAX_GROUP_SIZE = 1024
+# A refresh marker lives this long unless its holder keeps it alive (a dead holder's expires).
+MARKER_TTL_S = 10.0
 # Capacity polling backoff while a start or refresh waits.
 CAPACITY_POLL_MIN_S = 0.02
 CAPACITY_POLL_MAX_S = 0.5
@@ -226,12 +230,7 @@ class SessionStore:
 
     async def _refresh(self, api_key: str, digest: str, task_id: str) -> StartedSession:
         """Ends the key's active episode (if any) and binds the next; no task_id: the key's."""
-        marker = self._keys.refreshing(digest)
-        token = secrets.token_hex(8)
-        lock_s = max(1, math.ceil(self._refresh_lock_s))
-        if not await self._redis.set(marker, token, nx=True, ex=lock_s):
-            raise TooManyRequests("a refresh of this key is already in progress", retry_after_s=1.0)
-        try:
+        async with self._refresh_marker(digest):
             key = await self._read_key(digest)
             ended: Publication | None = None
             if key is not None and key.active:
@@ -240,8 +239,6 @@ class SessionStore:
             members = [await self._member(digest, task_id)]
             what = "The previous episode is already published; retry with the same api_key."
             await self._bind(members, mode="next", what=what)
-        finally:
-            await self._scripts.release_marker.run(self._redis, [marker], [token])
         session_id = members[0].session_id
         log.info(
             "session_refreshed",
@@ -255,6 +252,35 @@ class SessionStore:
             refreshed=ended is not None,
             ended_trajectory_id=ended.trajectory_id if ended else "",
         )
+
+    @contextlib.asynccontextmanager
+    async def _refresh_marker(self, digest: str) -> AsyncIterator[None]:
+        """Holds the key's refresh marker: short-lived, kept alive while the refresh runs.
+
+        A second refresh meanwhile gets 429; a holder that dies leaves it for at most
+        MARKER_TTL_S (never longer than refresh_lock_s).
+        """
+        marker = self._keys.refreshing(digest)
+        token = secrets.token_hex(8)
+        ttl_s = min(MARKER_TTL_S, self._refresh_lock_s)
+        if not await self._redis.set(marker, token, nx=True, px=max(1, int(ttl_s * 1000))):
+            raise TooManyRequests("a refresh of this key is already in progress", retry_after_s=1.0)
+        keeper = asyncio.create_task(self._keep_marker(marker, token, ttl_s))
+        try:
+            yield
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await self._scripts.release_marker.run(self._redis, [marker], [token])
+
+    async def _keep_marker(self, marker: str, token: str, ttl_s: float) -> None:
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            with contextlib.suppress(Exception):
+                await self._scripts.extend_marker.run(
+                    self._redis, [marker], [token, max(1, int(ttl_s * 1000))]
+                )
 
     async def _member(self, digest: str, task_id: str) -> _Member:
         seq = await self._redis.incr(self._keys.session_seq)

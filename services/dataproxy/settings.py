@@ -46,7 +46,7 @@ class DataProxySettings:
     @property
     def refresh_lock_s(self) -> float:
         """How long a refresh marker lives if its holder dies mid-refresh."""
-        return self.refresh_timeout_s + 30.0
+        return self.refresh_timeout_s + 10.0
 
     @classmethod
     def from_env(

@@ -36,13 +36,14 @@ def make_store(redis_client: aioredis.Redis, keys: RedisKeys) -> StoreFactory:
         batch_size: int = 1,
         idle_s: float = 3600.0,
         late_reward_s: float = 0.0,
+        refresh_lock_s: float | None = None,
     ) -> SessionStore:
         return SessionStore(
             redis=redis_client,
             keys=keys,
             scripts=Scripts.load(),
             admin_key=ADMIN_KEY,
-            refresh_lock_s=refresh_timeout_s + 30,
+            refresh_lock_s=refresh_lock_s or refresh_timeout_s + 10,
             policy=EpisodePolicy(
                 refresh_timeout_s=refresh_timeout_s,
                 capacity=CapacityPolicy(
@@ -183,6 +184,41 @@ async def test_a_second_refresh_while_one_waits_for_capacity_gets_429_at_once(
     await control.grant(1)
     async with asyncio.timeout(5):
         assert (await waiting).refreshed
+
+
+async def test_a_waiting_refresh_keeps_its_short_lived_marker_alive(
+    make_store: StoreFactory, control: Control
+) -> None:
+    store = make_store(refresh_timeout_s=10.0, refresh_lock_s=0.3)
+    await control.grant(1)
+    started = await store.start(task_id="t", api_key="")
+    waiting = asyncio.create_task(store.start(task_id="", api_key=started.api_key))
+    await asyncio.sleep(1.0)  # more than three marker lifetimes
+    with pytest.raises(TooManyRequests):
+        await store.start(task_id="", api_key=started.api_key)
+    await control.grant(1)
+    async with asyncio.timeout(5):
+        await waiting
+
+
+async def test_a_dead_refreshers_marker_expires_and_the_key_refreshes_again(
+    make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
+) -> None:
+    store = make_store(refresh_lock_s=0.3)
+    started = await store.start(task_id="t", api_key="")
+    digest = key_digest(started.api_key)
+    await redis_client.set(keys.refreshing(digest), "dead-holder", px=300)
+    with pytest.raises(TooManyRequests):
+        await store.start(task_id="", api_key=started.api_key)
+    await eventually(lambda: _refreshed(store, started.api_key))
+
+
+async def _refreshed(store: SessionStore, api_key: str) -> bool:
+    try:
+        await store.start(task_id="", api_key=api_key)
+    except TooManyRequests:
+        return False
+    return True
 
 
 async def test_concurrent_refreshes_publish_once_and_leave_one_episode_bound(
