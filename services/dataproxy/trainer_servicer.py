@@ -12,13 +12,13 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from protos import trainer_pb2, trainer_pb2_grpc
-from services.dataproxy.control import CapacityPolicy, Control
+from services.dataproxy.control import CapacityPolicy, Control, ControlSnapshot
 from services.dataproxy.groups import GroupDirectory, GroupTag, complete_groups, tagged
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_auth import TrainerAuth
-from services.dataproxy.trajectory import StreamEntry, TrajectoryStream
+from services.dataproxy.trajectory import StreamEntry, TrainerStats, TrajectoryStream
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable, abort_with
 from services.runtime.logs import get_logger
 
@@ -107,18 +107,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         async with _redis_errors(context):
             stats = await self._stream.stats()
             control = await self._control.snapshot()
-        return trainer_pb2.GetStatsResponse(
-            open_episodes=stats.open_episodes,
-            published=stats.published,
-            consumed=stats.consumed,
-            pending=stats.pending,
-            weight_version=stats.weight_version,
-            empty_episodes=stats.empty_episodes,
-            capacity=control.capacity,
-            paused=control.paused,
-            join_rate=control.join_rate,
-            in_flight=control.in_flight,
-        )
+        return _stats(stats, control)
 
     async def PauseSubmission(
         self, request: trainer_pb2.PauseSubmissionRequest, context: Context
@@ -177,6 +166,21 @@ def build_control(*, redis: Redis, keys: RedisKeys, settings: DataProxySettings)
         turn_timeout_s=settings.turn_timeout_s,
         pause_wait_s=settings.pause_wait_s,
         pause_drain_timeout_s=settings.pause_drain_timeout_s,
+    )
+
+
+def _stats(stats: TrainerStats, control: ControlSnapshot) -> trainer_pb2.GetStatsResponse:
+    return trainer_pb2.GetStatsResponse(
+        open_episodes=stats.open_episodes,
+        published=stats.published,
+        consumed=stats.consumed,
+        pending=stats.pending,
+        weight_version=stats.weight_version,
+        empty_episodes=stats.empty_episodes,
+        capacity=control.capacity,
+        paused=control.paused,
+        join_rate=control.join_rate,
+        in_flight=control.in_flight,
     )
 
 

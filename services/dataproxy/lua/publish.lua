@@ -69,7 +69,10 @@ else
   redis.call('HINCRBY', KEYS[7], 'interactions', tonumber(ARGV[11]))
   redis.call('HINCRBY', KEYS[7], 'joined', tonumber(ARGV[12]))
 end
-redis.call('HINCRBY', KEYS[7], 'open_episodes', -1)
+-- (an episode bound before this counter existed must not drive it below zero)
+if tonumber(redis.call('HGET', KEYS[7], 'open_episodes') or '0') > 0 then
+  redis.call('HINCRBY', KEYS[7], 'open_episodes', -1)
+end
 if ARGV[14] ~= '' then
   redis.call('HINCRBY', KEYS[11], 'done', 1)
   if turns > 0 then
