@@ -45,7 +45,7 @@ def request(
 ) -> tuple[int, dict[str, str], bytes]:
     """One HTTP request to the gateway; returns status, headers, raw body."""
     url = urllib.parse.urlsplit(stack.gateway_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
