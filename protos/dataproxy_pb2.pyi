@@ -210,12 +210,17 @@ class ChatRequest(_message.Message):
     WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
     BODY_JSON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INTERACTION_ID_FIELD_NUMBER: _builtins.int
     key_digest: _builtins.str
     worker_address: _builtins.str
     """host:port of the worker the router chose."""
     body_json: _builtins.bytes
     """The client's chat-completions body, raw JSON."""
     request_id: _builtins.str
+    interaction_id: _builtins.str
+    """The interaction id to record the turn under (the id the client saw, e.g. a Responses
+    `resp_…` id or a WebSocket runId); empty: the completion id the upstream returned.
+    """
     def __init__(
         self,
         *,
@@ -223,10 +228,11 @@ class ChatRequest(_message.Message):
         worker_address: _builtins.str = ...,
         body_json: _builtins.bytes = ...,
         request_id: _builtins.str = ...,
+        interaction_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "key_digest", b"key_digest", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "interaction_id", b"interaction_id", "key_digest", b"key_digest", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,3 +442,50 @@ class GetHistoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetHistoryResponse: _TypeAlias = GetHistoryResponse  # noqa: Y015
+
+@_typing.final
+class AbortTurnRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_DIGEST_FIELD_NUMBER: _builtins.int
+    WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    key_digest: _builtins.str
+    worker_address: _builtins.str
+    """host:port of the worker running the turn (the one the Chat request named)."""
+    request_id: _builtins.str
+    """The request_id of the turn's Chat request."""
+    def __init__(
+        self,
+        *,
+        key_digest: _builtins.str = ...,
+        worker_address: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_digest", b"key_digest", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortTurnRequest: _TypeAlias = AbortTurnRequest  # noqa: Y015
+
+@_typing.final
+class AbortTurnResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """True when the worker had a running turn with this request_id."""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortTurnResponse: _TypeAlias = AbortTurnResponse  # noqa: Y015

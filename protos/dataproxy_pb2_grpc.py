@@ -69,6 +69,11 @@ class DataProxyStub:
                 request_serializer=protos_dot_dataproxy__pb2.GetHistoryRequest.SerializeToString,
                 response_deserializer=protos_dot_dataproxy__pb2.GetHistoryResponse.FromString,
                 _registered_method=True)
+        self.AbortTurn = channel.unary_unary(
+                '/rollgate.v1.DataProxy/AbortTurn',
+                request_serializer=protos_dot_dataproxy__pb2.AbortTurnRequest.SerializeToString,
+                response_deserializer=protos_dot_dataproxy__pb2.AbortTurnResponse.FromString,
+                _registered_method=True)
 
 
 class DataProxyServicer:
@@ -121,6 +126,14 @@ class DataProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortTurn(self, request, context):
+        """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
+        replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataProxyServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_DataProxyServicer_to_server(servicer, server):
                     servicer.GetHistory,
                     request_deserializer=protos_dot_dataproxy__pb2.GetHistoryRequest.FromString,
                     response_serializer=protos_dot_dataproxy__pb2.GetHistoryResponse.SerializeToString,
+            ),
+            'AbortTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortTurn,
+                    request_deserializer=protos_dot_dataproxy__pb2.AbortTurnRequest.FromString,
+                    response_serializer=protos_dot_dataproxy__pb2.AbortTurnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +367,33 @@ class DataProxy:
             '/rollgate.v1.DataProxy/GetHistory',
             protos_dot_dataproxy__pb2.GetHistoryRequest.SerializeToString,
             protos_dot_dataproxy__pb2.GetHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.DataProxy/AbortTurn',
+            protos_dot_dataproxy__pb2.AbortTurnRequest.SerializeToString,
+            protos_dot_dataproxy__pb2.AbortTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

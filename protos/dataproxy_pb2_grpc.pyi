@@ -43,6 +43,10 @@ class DataProxyStub:
     """Resolves a session key to its session (used by the gateway to route)."""
     GetHistory: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.GetHistoryRequest, _dataproxy_pb2.GetHistoryResponse]
     """The completed interactions of the key's current episode."""
+    AbortTurn: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.AbortTurnRequest, _dataproxy_pb2.AbortTurnResponse]
+    """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
+    replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
+    """
 
 @_typing.type_check_only
 class DataProxyAsyncStub(DataProxyStub):
@@ -59,6 +63,10 @@ class DataProxyAsyncStub(DataProxyStub):
     """Resolves a session key to its session (used by the gateway to route)."""
     GetHistory: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.GetHistoryRequest, _dataproxy_pb2.GetHistoryResponse]  # type: ignore[assignment]
     """The completed interactions of the key's current episode."""
+    AbortTurn: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.AbortTurnRequest, _dataproxy_pb2.AbortTurnResponse]  # type: ignore[assignment]
+    """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
+    replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
+    """
 
 class DataProxyServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -114,5 +122,15 @@ class DataProxyServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dataproxy_pb2.GetHistoryResponse, _abc.Awaitable[_dataproxy_pb2.GetHistoryResponse]]:
         """The completed interactions of the key's current episode."""
+
+    @_abc_1.abstractmethod
+    def AbortTurn(
+        self,
+        request: _dataproxy_pb2.AbortTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dataproxy_pb2.AbortTurnResponse, _abc.Awaitable[_dataproxy_pb2.AbortTurnResponse]]:
+        """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
+        replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
+        """
 
 def add_DataProxyServicer_to_server(servicer: DataProxyServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/rollgate.v1.Worker/Abort',
+                request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +68,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Stops the running Generate call with this request_id: its stream ends normally with a
+        TurnRecord of the tokens so far (finish_reason "abort").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=protos_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.CompleteResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Worker:
             '/rollgate.v1.Worker/Complete',
             protos_dot_worker__pb2.GenerateRequest.SerializeToString,
             protos_dot_worker__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.Worker/Abort',
+            protos_dot_worker__pb2.AbortRequest.SerializeToString,
+            protos_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

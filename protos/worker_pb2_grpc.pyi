@@ -35,6 +35,10 @@ class WorkerStub:
     """Streams the upstream's chunks as they arrive, then the turn's token record."""
     Complete: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GenerateRequest, _worker_pb2.CompleteResponse]
     """One non-streaming upstream call: the client body and the token record."""
+    Abort: _grpc.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortResponse]
+    """Stops the running Generate call with this request_id: its stream ends normally with a
+    TurnRecord of the tokens so far (finish_reason "abort").
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -43,6 +47,10 @@ class WorkerAsyncStub(WorkerStub):
     """Streams the upstream's chunks as they arrive, then the turn's token record."""
     Complete: _aio.UnaryUnaryMultiCallable[_worker_pb2.GenerateRequest, _worker_pb2.CompleteResponse]  # type: ignore[assignment]
     """One non-streaming upstream call: the client body and the token record."""
+    Abort: _aio.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortResponse]  # type: ignore[assignment]
+    """Stops the running Generate call with this request_id: its stream ends normally with a
+    TurnRecord of the tokens so far (finish_reason "abort").
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -60,5 +68,15 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.CompleteResponse, _abc.Awaitable[_worker_pb2.CompleteResponse]]:
         """One non-streaming upstream call: the client body and the token record."""
+
+    @_abc_1.abstractmethod
+    def Abort(
+        self,
+        request: _worker_pb2.AbortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.AbortResponse, _abc.Awaitable[_worker_pb2.AbortResponse]]:
+        """Stops the running Generate call with this request_id: its stream ends normally with a
+        TurnRecord of the tokens so far (finish_reason "abort").
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
