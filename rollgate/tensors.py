@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Any, Literal
 
 import orjson
 
-from rollgate.trajectory import Interaction, Trajectory
+from rollgate.trajectory import Interaction, Sample, Trajectory
 
 Style = Literal["individual", "concat"]
 
@@ -63,6 +64,11 @@ class TrainingTensors:
     skipped: tuple[str, ...]
     # Interactions dropped as retries of the same request (`drop_retry_orphans`).
     dropped_orphans: tuple[str, ...]
+    # Per row: the `index` of the interaction whose LLM call produced the row's last output.
+    # Rows with the same value are the G samples of one group-sampled call: normalise within.
+    sample_group: tuple[int, ...] = ()
+    # Per row: which sample of that call (0: the one the agent received).
+    sample_index: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """AReaL's tensor dict: key → [rows, length] (`rewards`: [rows])."""
@@ -81,6 +87,8 @@ class _Row:
     reward: float
     original_reward: float
     interaction_id: str
+    sample_group: int = 0
+    sample_index: int = 0
 
 
 def to_tensors(
@@ -101,12 +109,37 @@ def to_tensors(
     rewards = discounted_rewards(interactions, turn_discount)
     tokens = {i.index: _Tokens.of(i) for i in interactions}
     usable = [i for i in interactions if tokens[i.index].usable]
-    skipped = tuple(i.interaction_id for i in interactions if not tokens[i.index].usable)
+    skipped = [i.interaction_id for i in interactions if not tokens[i.index].usable]
     if style == "individual":
         rows = [_single_row(i, tokens[i.index], rewards[i.index]) for i in usable]
     else:
         rows = _concat_rows(usable, tokens, rewards)
-    return _assemble(rows, skipped=skipped, dropped=tuple(dropped), as_numpy=as_numpy)
+    rows += _sample_rows(usable, tokens, rewards, skipped)
+    rows.sort(key=lambda row: (row.sample_group, row.sample_index))
+    return _assemble(rows, skipped=tuple(skipped), dropped=tuple(dropped), as_numpy=as_numpy)
+
+
+def _sample_rows(
+    usable: Sequence[Interaction],
+    tokens: dict[int, _Tokens],
+    rewards: dict[int, float],
+    skipped: list[str],
+) -> list[_Row]:
+    """Group sampling: each extra sample of a call is its own row on the call's prompt."""
+    rows = []
+    for interaction in usable:
+        for sample in interaction.samples:
+            sample_tokens = _Tokens.of_sample(sample, prompt=tokens[interaction.index].prompt)
+            if not sample_tokens.usable:
+                skipped.append(f"{interaction.interaction_id}#{sample.sample_index}")
+                continue
+            row = _single_row(interaction, sample_tokens, rewards[interaction.index])
+            rows.append(
+                dataclasses.replace(
+                    row, original_reward=sample.reward, sample_index=sample.sample_index
+                )
+            )
+    return rows
 
 
 def discounted_rewards(
@@ -172,6 +205,20 @@ class _Tokens:
             exact=interaction.exact_tokens,
         )
 
+    @classmethod
+    def of_sample(cls, sample: Sample, *, prompt: list[int]) -> _Tokens:
+        output = sample.output_token_ids
+        versions = sample.output_versions
+        if len(versions) != len(output):
+            versions = (versions[:1] or [-1]) * len(output)
+        return cls(
+            prompt=prompt,
+            output=output,
+            logprobs=sample.output_logprobs,
+            versions=versions,
+            exact=sample.exact_tokens,
+        )
+
     @property
     def usable(self) -> bool:
         return bool(self.prompt) and bool(self.output) and len(self.logprobs) == len(self.output)
@@ -192,6 +239,7 @@ def _single_row(interaction: Interaction, tokens: _Tokens, reward: float) -> _Ro
         reward=reward,
         original_reward=interaction.reward,
         interaction_id=interaction.interaction_id,
+        sample_group=interaction.index,
     )
 
 
@@ -250,6 +298,7 @@ def _chain_row(
         reward=reward,
         original_reward=leaf.reward,
         interaction_id=leaf.interaction_id,
+        sample_group=leaf.index,
     )
 
 
@@ -272,6 +321,8 @@ def _assemble(
         interaction_ids=tuple(row.interaction_id for row in rows),
         skipped=skipped,
         dropped_orphans=dropped,
+        sample_group=tuple(row.sample_group for row in rows),
+        sample_index=tuple(row.sample_index for row in rows),
     )
 
 

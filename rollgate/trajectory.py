@@ -20,6 +20,39 @@ class TrajectoryDecodeError(ValueError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """Another sample of a group-sampled call (G > 1): same prompt, its own output."""
+
+    # 1..G-1 (sample 0 is the interaction itself, the one the agent received).
+    sample_index: int
+    output: dict[str, Any]
+    finish_reason: str
+    output_token_ids_bytes: bytes
+    output_logprobs_bytes: bytes
+    output_versions_bytes: bytes
+    exact_tokens: bool
+    length_mismatch: bool
+    # The interaction's reward (the whole group shares it).
+    reward: float
+    reward_set: bool
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The sampled output token ids."""
+        return _unpack("i", self.output_token_ids_bytes)
+
+    @property
+    def output_logprobs(self) -> list[float]:
+        """One logprob per sampled output token (float32 precision)."""
+        return _unpack_float(self.output_logprobs_bytes)
+
+    @property
+    def output_versions(self) -> list[int]:
+        """The weight version that produced each output token."""
+        return _unpack("i", self.output_versions_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interaction:
     """One LLM call of a trajectory, with its packed token arrays kept as bytes."""
 
@@ -46,6 +79,8 @@ class Interaction:
     reward_set: bool
     # The weight version when the turn finished (differs only if weights changed unpaused).
     weight_version_end: int = 0
+    # Group sampling (G > 1): samples 1..G-1 of this call; empty when G = 1.
+    samples: tuple[Sample, ...] = ()
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -149,12 +184,14 @@ def trajectory_to_json(trajectory: Trajectory) -> dict[str, Any]:
     return out
 
 
-def _interaction_json(interaction: Interaction) -> dict[str, Any]:
+def _interaction_json(interaction: Interaction | Sample) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in Interaction.__dataclass_fields__:
+    for name in type(interaction).__dataclass_fields__:
         if name.endswith("_bytes"):
             plain = name.removesuffix("_bytes")
             out[plain] = getattr(interaction, plain)
+        elif name == "samples":
+            out[name] = [_interaction_json(s) for s in getattr(interaction, name)]
         else:
             out[name] = getattr(interaction, name)
     return out
@@ -185,6 +222,22 @@ def _interaction(raw: Mapping[str, Any]) -> Interaction:
         reward=float(raw.get("reward", 0.0)),
         reward_set=bool(raw.get("reward_set", False)),
         weight_version_end=int(raw.get("weight_version_end", 0) or 0),
+        samples=tuple(_sample(item) for item in raw.get("samples") or ()),
+    )
+
+
+def _sample(raw: Mapping[str, Any]) -> Sample:
+    return Sample(
+        sample_index=int(raw.get("sample_index", 0)),
+        output=dict(raw.get("output") or {}),
+        finish_reason=str(raw.get("finish_reason", "")),
+        output_token_ids_bytes=bytes(raw.get("output_token_ids") or b""),
+        output_logprobs_bytes=bytes(raw.get("output_logprobs") or b""),
+        output_versions_bytes=bytes(raw.get("output_versions") or b""),
+        exact_tokens=bool(raw.get("exact_tokens", False)),
+        length_mismatch=bool(raw.get("length_mismatch", False)),
+        reward=float(raw.get("reward", 0.0)),
+        reward_set=bool(raw.get("reward_set", False)),
     )
 
 

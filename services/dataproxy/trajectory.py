@@ -201,7 +201,33 @@ def _interaction(
         "length_mismatch": bool(record.get("length_mismatch", False)),
         "reward": float(reward) if reward is not None else 0.0,
         "reward_set": reward is not None,
+        "samples": _extra_samples(record, reward),
     }
+
+
+def _extra_samples(record: Mapping[str, Any], reward: float | None) -> list[dict[str, Any]]:
+    """Samples 1..G-1 of a group-sampled call; each shares the prompt and the turn's reward."""
+    out = []
+    for number, sample in enumerate(record.get("extra_samples") or (), start=1):
+        output_ids = bytes(sample.get("output_token_ids") or b"")
+        logprobs = bytes(sample.get("output_logprobs") or b"")
+        n_output = len(output_ids) // 4 or len(logprobs) // _FLOAT32_BYTES
+        out.append(
+            {
+                "sample_index": number,
+                "output": _json_object(sample.get("assistant_message_json")),
+                "finish_reason": str(sample.get("finish_reason", "")),
+                "output_token_ids": output_ids,
+                "output_logprobs": logprobs,
+                "output_versions": _INT32.pack(int(record.get("weight_version", 0) or 0))
+                * n_output,
+                "exact_tokens": bool(sample.get("exact_tokens", False)),
+                "length_mismatch": bool(sample.get("length_mismatch", False)),
+                "reward": float(reward) if reward is not None else 0.0,
+                "reward_set": reward is not None,
+            }
+        )
+    return out
 
 
 def _output_versions(record: Mapping[str, Any], n_output: int) -> bytes:

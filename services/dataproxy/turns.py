@@ -81,10 +81,27 @@ def encode_turn(
             "weight_version_end": weight_version
             if weight_version_end is None
             else weight_version_end,
+            # Group sampling (G > 1): samples 1..G-1 of the same call; absent when G = 1.
+            **({"extra_samples": _samples(record.extra_samples)} if record.extra_samples else {}),
         },
         use_bin_type=True,
     )
     return data
+
+
+def _samples(samples: Sequence[common_pb2.TurnSample]) -> list[dict[str, Any]]:
+    """The extra samples of a group-sampled call as msgpack maps (packed arrays as bytes)."""
+    return [
+        {
+            "finish_reason": sample.finish_reason,
+            "output_token_ids": pack_int32(sample.output_token_ids),
+            "output_logprobs": pack_float32(sample.output_logprobs),
+            "exact_tokens": sample.exact_tokens,
+            "length_mismatch": sample.length_mismatch,
+            "assistant_message_json": sample.assistant_message_json,
+        }
+        for sample in samples
+    ]
 
 
 def decode_turn(data: bytes) -> dict[str, Any]:

@@ -26,6 +26,8 @@ class WorkerUnderTest:
     stub: worker_pb2_grpc.WorkerStub
     runner: TurnRunner
     channel: grpc.aio.Channel
+    # host:port the worker listens on.
+    address: str = ""
 
 
 @contextlib.asynccontextmanager
@@ -58,10 +60,14 @@ async def running_worker(
         )
         async with server:
             await server.set_serving()
-            channel = open_channel(f"127.0.0.1:{server.port}")
+            address = f"127.0.0.1:{server.port}"
+            channel = open_channel(address)
             try:
                 yield WorkerUnderTest(
-                    stub=worker_pb2_grpc.WorkerStub(channel), runner=runner, channel=channel
+                    stub=worker_pb2_grpc.WorkerStub(channel),
+                    runner=runner,
+                    channel=channel,
+                    address=address,
                 )
             finally:
                 await channel.close()

@@ -1,0 +1,211 @@
+"""Group sampling per call (n = G > 1) end to end: a real worker asking the mock LLM for 3
+samples, a real dataproxy recording them, the published trajectory and its training rows."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import msgpack  # type: ignore[import-untyped]
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from protos import dataproxy_pb2, dataproxy_pb2_grpc
+from rollgate.mock_llm import MockLLM
+from rollgate.tensors import to_tensors
+from rollgate.trajectory import decode_trajectory
+from services.dataproxy.__main__ import serving
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.turns import unpack_float32, unpack_int32
+from services.runtime.grpc_client import open_channel
+from services.runtime.keys import key_digest, key_id_of
+from services.worker.upstream import RequestPolicy
+from tests.worker.harness import running_worker
+
+ADMIN_KEY = "admin-test-key-0123456789"
+RPC_TIMEOUT_S = 10.0
+G = 3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupStack:
+    """A dataproxy and a worker with n_samples = G over the mock LLM."""
+
+    dataproxy: dataproxy_pb2_grpc.DataProxyStub
+    worker_address: str
+    mock: MockLLM
+    redis: aioredis.Redis
+    keys: RedisKeys
+
+    async def start(self) -> str:
+        """A new session's key digest."""
+        started = await self.dataproxy.StartSession(
+            dataproxy_pb2.StartSessionRequest(task_id="group"), timeout=RPC_TIMEOUT_S
+        )
+        return key_digest(started.api_key)
+
+    def chat_request(self, digest: str, text: str, **body: Any) -> dataproxy_pb2.ChatRequest:
+        payload = {"model": "rollgate-mock", "messages": [{"role": "user", "content": text}]}
+        return dataproxy_pb2.ChatRequest(
+            key_digest=digest,
+            worker_address=self.worker_address,
+            body_json=orjson.dumps(payload | body),
+            request_id="req-group",
+        )
+
+    async def turns(self, digest: str) -> list[dict[str, Any]]:
+        key: Any = await self.redis.hgetall(self.keys.key(digest))
+        raw = await self.redis.lrange(
+            self.keys.turns(key_id_of(digest), key[b"episode"].decode()), 0, -1
+        )
+        return [msgpack.unpackb(item, raw=False) for item in raw]
+
+
+@contextlib.asynccontextmanager
+async def group_stack(
+    redis_url: str, key_prefix: str, *, n_samples: int = G, token_interval_ms: float = 0.0
+) -> AsyncIterator[GroupStack]:
+    """Mock LLM, a worker (vllm kind, `n_samples`), a dataproxy; all on port 0."""
+    settings = DataProxySettings(
+        host="127.0.0.1",
+        port=0,
+        redis_url=redis_url,
+        redis_prefix=key_prefix,
+        admin_key=ADMIN_KEY,
+        turn_timeout_s=30.0,
+        grace_s=2.0,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        mock = await stack.enter_async_context(MockLLM(port=0, token_interval_ms=token_interval_ms))
+        worker = await stack.enter_async_context(
+            running_worker(mock.base_url, kind="vllm", policy=RequestPolicy(n_samples=n_samples))
+        )
+        server = await stack.enter_async_context(serving(settings))
+        channel = open_channel(f"127.0.0.1:{server.port}")
+        stack.push_async_callback(channel.close)
+        redis = aioredis.Redis.from_url(redis_url)
+        stack.push_async_callback(redis.aclose)
+        yield GroupStack(
+            dataproxy=dataproxy_pb2_grpc.DataProxyStub(channel),
+            worker_address=worker.address,
+            mock=mock,
+            redis=redis,
+            keys=RedisKeys(key_prefix),
+        )
+
+
+@pytest.fixture
+async def stack(redis_url: str, key_prefix: str) -> AsyncIterator[GroupStack]:
+    async with group_stack(redis_url, key_prefix) as running:
+        yield running
+
+
+async def _collect(call: Any) -> list[dataproxy_pb2.ChatResponse]:
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+async def _published(stack: GroupStack, digest: str) -> bytes:
+    ended = await stack.dataproxy.EndSession(
+        dataproxy_pb2.EndSessionRequest(key_digest=digest), timeout=RPC_TIMEOUT_S
+    )
+    entries: Any = await stack.redis.xrange(stack.keys.trajectories)
+    (fields,) = [f for _, f in entries if f[b"trajectory_id"] == ended.trajectory_id.encode()]
+    return bytes(fields[b"data"])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_client_gets_one_sample_and_the_turn_records_all_three(
+    stack: GroupStack, stream: bool
+) -> None:
+    digest = await stack.start()
+    request = stack.chat_request(digest, "tell me something varied", stream=stream)
+
+    if stream:
+        messages = await _collect(stack.dataproxy.Chat(request, timeout=RPC_TIMEOUT_S))
+        payloads = [orjson.loads(c) for m in messages[:-1] for c in m.chunks.chunks]
+        assert all(c["choices"][0]["index"] == 0 for c in payloads if c.get("choices"))
+        assert all(len(c["choices"]) <= 1 for c in payloads)
+    else:
+        done = await stack.dataproxy.Complete(request, timeout=RPC_TIMEOUT_S)
+        assert [c["index"] for c in orjson.loads(done.body_json)["choices"]] == [0]
+
+    assert stack.mock.stats.last_body is not None
+    assert stack.mock.stats.last_body["n"] == G
+    (turn,) = await stack.turns(digest)
+    samples = turn["extra_samples"]
+    assert len(samples) == G - 1
+    outputs = [unpack_int32(turn["output_token_ids"])]
+    for sample in samples:
+        ids = unpack_int32(sample["output_token_ids"])
+        assert ids
+        assert len(unpack_float32(sample["output_logprobs"])) == len(ids)
+        assert sample["exact_tokens"] is True
+        assert sample["length_mismatch"] is False
+        assert sample["finish_reason"] in ("stop", "length")
+        assert orjson.loads(sample["assistant_message_json"])["role"] == "assistant"
+        outputs.append(ids)
+    # The mock seeds each choice differently: the samples are distinct answers.
+    assert len({tuple(o) for o in outputs}) == G
+
+
+async def test_the_published_trajectory_carries_the_samples_with_the_turns_reward(
+    stack: GroupStack,
+) -> None:
+    digest = await stack.start()
+    first = await stack.dataproxy.Complete(
+        stack.chat_request(digest, "first question"), timeout=RPC_TIMEOUT_S
+    )
+    await stack.dataproxy.SetReward(
+        dataproxy_pb2.SetRewardRequest(
+            key_digest=digest, reward=0.5, interaction_id=first.interaction_id
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    turns = await stack.turns(digest)
+
+    trajectory = decode_trajectory(await _published(stack, digest))
+
+    (interaction,) = trajectory.interactions
+    assert interaction.reward == 0.5
+    assert [s.sample_index for s in interaction.samples] == [1, 2]
+    for sample, stored in zip(interaction.samples, turns[0]["extra_samples"], strict=True):
+        assert sample.output_token_ids == unpack_int32(stored["output_token_ids"])
+        assert sample.output_logprobs == unpack_float32(stored["output_logprobs"])
+        assert sample.output_versions == [0] * len(sample.output_token_ids)
+        assert sample.output["content"] == orjson.loads(stored["assistant_message_json"])["content"]
+        assert sample.reward == 0.5 and sample.reward_set is True
+
+    rows = to_tensors(trajectory)
+    assert rows.sample_group == (0, 0, 0)
+    assert rows.sample_index == (0, 1, 2)
+    assert rows.original_rewards == [0.5, 0.5, 0.5]
+    prompt = interaction.prompt_token_ids
+    for row, output in zip(
+        rows.input_ids,
+        [interaction.output_token_ids, *(s.output_token_ids for s in interaction.samples)],
+        strict=True,
+    ):
+        assert row[: len(prompt) + len(output)] == prompt + output
+
+
+async def test_without_group_sampling_no_samples_are_recorded(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with group_stack(redis_url, key_prefix, n_samples=1) as stack:
+        digest = await stack.start()
+        await stack.dataproxy.Complete(stack.chat_request(digest, "one"), timeout=RPC_TIMEOUT_S)
+        (turn,) = await stack.turns(digest)
+        assert "extra_samples" not in turn
+        assert stack.mock.stats.last_body is not None
+        assert "n" not in stack.mock.stats.last_body
+        trajectory = decode_trajectory(await _published(stack, digest))
+        assert trajectory.interactions[0].samples == ()
+        assert to_tensors(trajectory).sample_index == (0,)
