@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/dataproxy.proto\x12\x0brollgate.v1\"K\n\x13StartSessionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\"2\n\x0bGroupMember\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"\xa8\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x11\n\trefreshed\x18\x03 \x01(\x08\x12\x1b\n\x13\x65nded_trajectory_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12)\n\x07members\x18\x06 \x03(\x0b\x32\x18.rollgate.v1.GroupMember\"b\n\x10SetRewardRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x16\n\x0einteraction_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\"+\n\x11SetRewardResponse\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"Z\n\x12\x45ndSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x19\n\x11interaction_count\x18\x03 \x01(\x05\"x\n\x0b\x43hatRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0einteraction_id\x18\x05 \x01(\t\"g\n\x0c\x43hatResponse\x12(\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x16.rollgate.v1.ChunkListH\x00\x12%\n\x04\x64one\x18\x02 \x01(\x0b\x32\x15.rollgate.v1.ChatDoneH\x00\x42\x06\n\x04kind\"\x1b\n\tChunkList\x12\x0e\n\x06\x63hunks\x18\x01 \x03(\x0c\"6\n\x08\x43hatDone\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"U\n\x14\x43ompleteChatResponse\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\x16\n\x0einteraction_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\'\n\x11ResolveKeyRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"8\n\x12ResolveKeyResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\'\n\x11GetHistoryRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"@\n\x0cHistoryEntry\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x18\n\x10interaction_json\x18\x02 \x01(\x0c\"T\n\x12GetHistoryResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.rollgate.v1.HistoryEntry\"R\n\x10\x41\x62ortTurnRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\"\n\x11\x41\x62ortTurnResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xed\x04\n\tDataProxy\x12S\n\x0cStartSession\x12 .rollgate.v1.StartSessionRequest\x1a!.rollgate.v1.StartSessionResponse\x12J\n\tSetReward\x12\x1d.rollgate.v1.SetRewardRequest\x1a\x1e.rollgate.v1.SetRewardResponse\x12M\n\nEndSession\x12\x1e.rollgate.v1.EndSessionRequest\x1a\x1f.rollgate.v1.EndSessionResponse\x12=\n\x04\x43hat\x12\x18.rollgate.v1.ChatRequest\x1a\x19.rollgate.v1.ChatResponse0\x01\x12G\n\x08\x43omplete\x12\x18.rollgate.v1.ChatRequest\x1a!.rollgate.v1.CompleteChatResponse\x12M\n\nResolveKey\x12\x1e.rollgate.v1.ResolveKeyRequest\x1a\x1f.rollgate.v1.ResolveKeyResponse\x12M\n\nGetHistory\x12\x1e.rollgate.v1.GetHistoryRequest\x1a\x1f.rollgate.v1.GetHistoryResponse\x12J\n\tAbortTurn\x12\x1d.rollgate.v1.AbortTurnRequest\x1a\x1e.rollgate.v1.AbortTurnResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/dataproxy.proto\x12\x0brollgate.v1\"K\n\x13StartSessionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\"2\n\x0bGroupMember\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"\xa8\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x11\n\trefreshed\x18\x03 \x01(\x08\x12\x1b\n\x13\x65nded_trajectory_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12)\n\x07members\x18\x06 \x03(\x0b\x32\x18.rollgate.v1.GroupMember\"b\n\x10SetRewardRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x16\n\x0einteraction_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\"+\n\x11SetRewardResponse\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\";\n\x11\x45ndSessionRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"Z\n\x12\x45ndSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x19\n\x11interaction_count\x18\x03 \x01(\x05\"\xb5\x01\n\x0b\x43hatRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0einteraction_id\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x11\n\tturn_type\x18\x07 \x01(\t\x12\x14\n\x0csession_done\x18\x08 \x01(\x08\"g\n\x0c\x43hatResponse\x12(\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x16.rollgate.v1.ChunkListH\x00\x12%\n\x04\x64one\x18\x02 \x01(\x0b\x32\x15.rollgate.v1.ChatDoneH\x00\x42\x06\n\x04kind\"\x1b\n\tChunkList\x12\x0e\n\x06\x63hunks\x18\x01 \x03(\x0c\"6\n\x08\x43hatDone\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"U\n\x14\x43ompleteChatResponse\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\x16\n\x0einteraction_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\'\n\x11ResolveKeyRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"8\n\x12ResolveKeyResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\'\n\x11GetHistoryRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"@\n\x0cHistoryEntry\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x18\n\x10interaction_json\x18\x02 \x01(\x0c\"T\n\x12GetHistoryResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.rollgate.v1.HistoryEntry\"R\n\x10\x41\x62ortTurnRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\"\n\x11\x41\x62ortTurnResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"0\n\x0fIssueKeyRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"A\n\x10IssueKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t2\xb6\x05\n\tDataProxy\x12S\n\x0cStartSession\x12 .rollgate.v1.StartSessionRequest\x1a!.rollgate.v1.StartSessionResponse\x12J\n\tSetReward\x12\x1d.rollgate.v1.SetRewardRequest\x1a\x1e.rollgate.v1.SetRewardResponse\x12M\n\nEndSession\x12\x1e.rollgate.v1.EndSessionRequest\x1a\x1f.rollgate.v1.EndSessionResponse\x12=\n\x04\x43hat\x12\x18.rollgate.v1.ChatRequest\x1a\x19.rollgate.v1.ChatResponse0\x01\x12G\n\x08\x43omplete\x12\x18.rollgate.v1.ChatRequest\x1a!.rollgate.v1.CompleteChatResponse\x12M\n\nResolveKey\x12\x1e.rollgate.v1.ResolveKeyRequest\x1a\x1f.rollgate.v1.ResolveKeyResponse\x12M\n\nGetHistory\x12\x1e.rollgate.v1.GetHistoryRequest\x1a\x1f.rollgate.v1.GetHistoryResponse\x12J\n\tAbortTurn\x12\x1d.rollgate.v1.AbortTurnRequest\x1a\x1e.rollgate.v1.AbortTurnResponse\x12G\n\x08IssueKey\x12\x1c.rollgate.v1.IssueKeyRequest\x1a\x1d.rollgate.v1.IssueKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETREWARDRESPONSE']._serialized_start=439
   _globals['_SETREWARDRESPONSE']._serialized_end=482
   _globals['_ENDSESSIONREQUEST']._serialized_start=484
-  _globals['_ENDSESSIONREQUEST']._serialized_end=523
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=525
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=615
-  _globals['_CHATREQUEST']._serialized_start=617
-  _globals['_CHATREQUEST']._serialized_end=737
-  _globals['_CHATRESPONSE']._serialized_start=739
-  _globals['_CHATRESPONSE']._serialized_end=842
-  _globals['_CHUNKLIST']._serialized_start=844
-  _globals['_CHUNKLIST']._serialized_end=871
-  _globals['_CHATDONE']._serialized_start=873
-  _globals['_CHATDONE']._serialized_end=927
-  _globals['_COMPLETECHATRESPONSE']._serialized_start=929
-  _globals['_COMPLETECHATRESPONSE']._serialized_end=1014
-  _globals['_RESOLVEKEYREQUEST']._serialized_start=1016
-  _globals['_RESOLVEKEYREQUEST']._serialized_end=1055
-  _globals['_RESOLVEKEYRESPONSE']._serialized_start=1057
-  _globals['_RESOLVEKEYRESPONSE']._serialized_end=1113
-  _globals['_GETHISTORYREQUEST']._serialized_start=1115
-  _globals['_GETHISTORYREQUEST']._serialized_end=1154
-  _globals['_HISTORYENTRY']._serialized_start=1156
-  _globals['_HISTORYENTRY']._serialized_end=1220
-  _globals['_GETHISTORYRESPONSE']._serialized_start=1222
-  _globals['_GETHISTORYRESPONSE']._serialized_end=1306
-  _globals['_ABORTTURNREQUEST']._serialized_start=1308
-  _globals['_ABORTTURNREQUEST']._serialized_end=1390
-  _globals['_ABORTTURNRESPONSE']._serialized_start=1392
-  _globals['_ABORTTURNRESPONSE']._serialized_end=1426
-  _globals['_DATAPROXY']._serialized_start=1429
-  _globals['_DATAPROXY']._serialized_end=2050
+  _globals['_ENDSESSIONREQUEST']._serialized_end=543
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=545
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=635
+  _globals['_CHATREQUEST']._serialized_start=638
+  _globals['_CHATREQUEST']._serialized_end=819
+  _globals['_CHATRESPONSE']._serialized_start=821
+  _globals['_CHATRESPONSE']._serialized_end=924
+  _globals['_CHUNKLIST']._serialized_start=926
+  _globals['_CHUNKLIST']._serialized_end=953
+  _globals['_CHATDONE']._serialized_start=955
+  _globals['_CHATDONE']._serialized_end=1009
+  _globals['_COMPLETECHATRESPONSE']._serialized_start=1011
+  _globals['_COMPLETECHATRESPONSE']._serialized_end=1096
+  _globals['_RESOLVEKEYREQUEST']._serialized_start=1098
+  _globals['_RESOLVEKEYREQUEST']._serialized_end=1137
+  _globals['_RESOLVEKEYRESPONSE']._serialized_start=1139
+  _globals['_RESOLVEKEYRESPONSE']._serialized_end=1195
+  _globals['_GETHISTORYREQUEST']._serialized_start=1197
+  _globals['_GETHISTORYREQUEST']._serialized_end=1236
+  _globals['_HISTORYENTRY']._serialized_start=1238
+  _globals['_HISTORYENTRY']._serialized_end=1302
+  _globals['_GETHISTORYRESPONSE']._serialized_start=1304
+  _globals['_GETHISTORYRESPONSE']._serialized_end=1388
+  _globals['_ABORTTURNREQUEST']._serialized_start=1390
+  _globals['_ABORTTURNREQUEST']._serialized_end=1472
+  _globals['_ABORTTURNRESPONSE']._serialized_start=1474
+  _globals['_ABORTTURNRESPONSE']._serialized_end=1508
+  _globals['_ISSUEKEYREQUEST']._serialized_start=1510
+  _globals['_ISSUEKEYREQUEST']._serialized_end=1558
+  _globals['_ISSUEKEYRESPONSE']._serialized_start=1560
+  _globals['_ISSUEKEYRESPONSE']._serialized_end=1625
+  _globals['_DATAPROXY']._serialized_start=1628
+  _globals['_DATAPROXY']._serialized_end=2322
 # @@protoc_insertion_point(module_scope)

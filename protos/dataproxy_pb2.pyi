@@ -162,15 +162,19 @@ class EndSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEY_DIGEST_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     key_digest: _builtins.str
+    session_id: _builtins.str
+    """Header-mode keys: the session (X-Session-Id) whose episode ends; ignored otherwise."""
     def __init__(
         self,
         *,
         key_digest: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_digest", b"key_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_digest", b"key_digest", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -211,6 +215,9 @@ class ChatRequest(_message.Message):
     BODY_JSON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     INTERACTION_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_TYPE_FIELD_NUMBER: _builtins.int
+    SESSION_DONE_FIELD_NUMBER: _builtins.int
     key_digest: _builtins.str
     worker_address: _builtins.str
     """host:port of the worker the router chose."""
@@ -221,6 +228,14 @@ class ChatRequest(_message.Message):
     """The interaction id to record the turn under (the id the client saw, e.g. a Responses
     `resp_…` id or a WebSocket runId); empty: the completion id the upstream returned.
     """
+    session_id: _builtins.str
+    """OpenClaw-RL's X-Session-Id (or body session_id): names the episode of a header-mode
+    key; ignored with per-episode keys.
+    """
+    turn_type: _builtins.str
+    """"main" (empty: main) or "side": side turns are recorded but marked."""
+    session_done: _builtins.bool
+    """X-Session-Done (or body session_done): end and publish the session after this turn."""
     def __init__(
         self,
         *,
@@ -229,10 +244,13 @@ class ChatRequest(_message.Message):
         body_json: _builtins.bytes = ...,
         request_id: _builtins.str = ...,
         interaction_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        turn_type: _builtins.str = ...,
+        session_done: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "interaction_id", b"interaction_id", "key_digest", b"key_digest", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "interaction_id", b"interaction_id", "key_digest", b"key_digest", "request_id", b"request_id", "session_done", b"session_done", "session_id", b"session_id", "turn_type", b"turn_type", "worker_address", b"worker_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,3 +507,52 @@ class AbortTurnResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortTurnResponse: _TypeAlias = AbortTurnResponse  # noqa: Y015
+
+@_typing.final
+class IssueKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """"header" (the only kind issued here; per-episode keys come from StartSession)."""
+    task_id: _builtins.str
+    """The task id written into the key's trajectories (empty: "default")."""
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IssueKeyRequest: _TypeAlias = IssueKeyRequest  # noqa: Y015
+
+@_typing.final
+class IssueKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    API_KEY_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    api_key: _builtins.str
+    key_id: _builtins.str
+    mode: _builtins.str
+    def __init__(
+        self,
+        *,
+        api_key: _builtins.str = ...,
+        key_id: _builtins.str = ...,
+        mode: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "key_id", b"key_id", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IssueKeyResponse: _TypeAlias = IssueKeyResponse  # noqa: Y015

@@ -74,6 +74,11 @@ class DataProxyStub:
                 request_serializer=protos_dot_dataproxy__pb2.AbortTurnRequest.SerializeToString,
                 response_deserializer=protos_dot_dataproxy__pb2.AbortTurnResponse.FromString,
                 _registered_method=True)
+        self.IssueKey = channel.unary_unary(
+                '/rollgate.v1.DataProxy/IssueKey',
+                request_serializer=protos_dot_dataproxy__pb2.IssueKeyRequest.SerializeToString,
+                response_deserializer=protos_dot_dataproxy__pb2.IssueKeyResponse.FromString,
+                _registered_method=True)
 
 
 class DataProxyServicer:
@@ -134,6 +139,13 @@ class DataProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueKey(self, request, context):
+        """A long-lived key issued by the admin: header mode, where X-Session-Id names the episode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataProxyServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +188,11 @@ def add_DataProxyServicer_to_server(servicer, server):
                     servicer.AbortTurn,
                     request_deserializer=protos_dot_dataproxy__pb2.AbortTurnRequest.FromString,
                     response_serializer=protos_dot_dataproxy__pb2.AbortTurnResponse.SerializeToString,
+            ),
+            'IssueKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueKey,
+                    request_deserializer=protos_dot_dataproxy__pb2.IssueKeyRequest.FromString,
+                    response_serializer=protos_dot_dataproxy__pb2.IssueKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +411,33 @@ class DataProxy:
             '/rollgate.v1.DataProxy/AbortTurn',
             protos_dot_dataproxy__pb2.AbortTurnRequest.SerializeToString,
             protos_dot_dataproxy__pb2.AbortTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.DataProxy/IssueKey',
+            protos_dot_dataproxy__pb2.IssueKeyRequest.SerializeToString,
+            protos_dot_dataproxy__pb2.IssueKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,8 @@ class DataProxyStub:
     """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
     replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
     """
+    IssueKey: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.IssueKeyRequest, _dataproxy_pb2.IssueKeyResponse]
+    """A long-lived key issued by the admin: header mode, where X-Session-Id names the episode."""
 
 @_typing.type_check_only
 class DataProxyAsyncStub(DataProxyStub):
@@ -67,6 +69,8 @@ class DataProxyAsyncStub(DataProxyStub):
     """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
     replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
     """
+    IssueKey: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.IssueKeyRequest, _dataproxy_pb2.IssueKeyResponse]  # type: ignore[assignment]
+    """A long-lived key issued by the admin: header mode, where X-Session-Id names the episode."""
 
 class DataProxyServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -132,5 +136,13 @@ class DataProxyServicer(metaclass=_abc_1.ABCMeta):
         """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
         replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
         """
+
+    @_abc_1.abstractmethod
+    def IssueKey(
+        self,
+        request: _dataproxy_pb2.IssueKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dataproxy_pb2.IssueKeyResponse, _abc.Awaitable[_dataproxy_pb2.IssueKeyResponse]]:
+        """A long-lived key issued by the admin: header mode, where X-Session-Id names the episode."""
 
 def add_DataProxyServicer_to_server(servicer: DataProxyServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
