@@ -21,6 +21,9 @@ from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
+# Forwarding an abort is one small RPC to the worker.
+ABORT_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnRequest:
@@ -30,6 +33,8 @@ class TurnRequest:
     worker_address: str
     body_json: bytes
     request_id: str
+    # Record the turn under this id (the id the client saw) instead of the completion id.
+    interaction_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +114,21 @@ class TurnRunner:
             await self._release(lease)
         return CompletedTurn(body_json=response.body_json, turn=turn)
 
+    async def abort(self, *, key_digest: str, worker_address: str, request_id: str) -> bool:
+        """Asks the worker running `request_id` to stop; the replica streaming it records it."""
+        if not worker_address or not request_id:
+            raise InvalidRequest("abort needs the worker address and the turn's request id")
+        await self._store.resolve(key_digest)
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(worker_address))
+        try:
+            answer = await stub.Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, hop="worker") from err
+        log.info("turn_abort_forwarded", request_id=request_id, found=answer.found)
+        return bool(answer.found)
+
     async def _admit(self, request: TurnRequest) -> tuple[ActiveEpisode, TurnLease]:
         """The key's episode (401/503 first), then admission (waits while paused)."""
         if not request.worker_address:
@@ -136,6 +156,8 @@ class TurnRunner:
     async def _record(
         self, episode: ActiveEpisode, record: common_pb2.TurnRecord, request: TurnRequest
     ) -> RecordedTurn:
+        if request.interaction_id:
+            record.interaction_id = request.interaction_id
         if not record.interaction_id:
             # Every interaction needs an id for set_reward; the worker should have sent one.
             record.interaction_id = "chatcmpl-rg-" + secrets.token_hex(12)
@@ -155,6 +177,7 @@ class TurnRunner:
             index=index,
             request_id=request.request_id,
             output_tokens=len(record.output_token_ids),
+            finish_reason=record.finish_reason,
         )
         return RecordedTurn(
             interaction_id=record.interaction_id, session_id=episode.session_id, index=index

@@ -22,6 +22,7 @@ def _turn_request(request: dataproxy_pb2.ChatRequest) -> TurnRequest:
         worker_address=request.worker_address,
         body_json=request.body_json,
         request_id=request.request_id,
+        interaction_id=request.interaction_id,
     )
 
 
@@ -128,6 +129,19 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
                 for iid, data in history.entries
             ],
         )
+
+    async def AbortTurn(
+        self, request: dataproxy_pb2.AbortTurnRequest, context: Context
+    ) -> dataproxy_pb2.AbortTurnResponse:
+        try:
+            found = await self._turns.abort(
+                key_digest=request.key_digest,
+                worker_address=request.worker_address,
+                request_id=request.request_id,
+            )
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.AbortTurnResponse(found=found)
 
 
 def _chat_response(item: list[bytes] | RecordedTurn) -> dataproxy_pb2.ChatResponse:

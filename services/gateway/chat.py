@@ -62,6 +62,8 @@ class Turn:
     request_id: str
     # time.monotonic() by which the whole turn must be done.
     deadline: float
+    # Record the turn under this id (the id the client saw); empty: the completion id.
+    interaction_id: str = ""
 
     def remaining_s(self) -> float:
         """The budget left, or UpstreamTimeout when it is spent."""
@@ -123,7 +125,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, turn)
 
 
-class _Relay:
+class Relay:
     """Routes a turn and retries once on another worker when the chosen one is unreachable."""
 
     def __init__(self, request: web.Request, turn: Turn) -> None:
@@ -133,6 +135,8 @@ class _Relay:
         self.rpc_timeout_s = request.app[SETTINGS].rpc_timeout_s
         self.avoid_worker_id = ""
         self.rerouted = False
+        # The worker of the latest route (where an abort of the turn must go).
+        self.worker_address = ""
 
     @property
     def dataproxy(self) -> DataProxyAsyncStub:
@@ -154,7 +158,9 @@ class _Relay:
             worker_address=choice.address,
             body_json=turn.body,
             request_id=turn.request_id,
+            interaction_id=turn.interaction_id,
         )
+        self.worker_address = choice.address
         return choice, request
 
     def retry_elsewhere(self, error: RollgateError, choice: WorkerChoice) -> bool:
@@ -169,7 +175,7 @@ class _Relay:
 
 
 async def _complete(request: web.Request, turn: Turn) -> web.Response:
-    relay = _Relay(request, turn)
+    relay = Relay(request, turn)
     while True:
         choice, chat_request = await relay.route()
         try:
@@ -185,7 +191,7 @@ async def _complete(request: web.Request, turn: Turn) -> web.Response:
 _Call: TypeAlias = grpc.aio.UnaryStreamCall[dataproxy_pb2.ChatRequest, dataproxy_pb2.ChatResponse]
 
 
-async def _open_stream(relay: _Relay) -> tuple[_Call, dataproxy_pb2.ChatResponse]:
+async def open_stream(relay: Relay) -> tuple[_Call, dataproxy_pb2.ChatResponse]:
     """Starts `DataProxy.Chat` and reads its first message, before any header is sent."""
     while True:
         choice, chat_request = await relay.route()
@@ -207,7 +213,7 @@ async def _open_stream(relay: _Relay) -> tuple[_Call, dataproxy_pb2.ChatResponse
 
 
 async def _stream(request: web.Request, turn: Turn) -> web.StreamResponse:
-    call, message = await _open_stream(_Relay(request, turn))
+    call, message = await open_stream(Relay(request, turn))
     response = web.StreamResponse(headers=SSE_HEADERS)
     try:
         await response.prepare(request)

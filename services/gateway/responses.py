@@ -266,6 +266,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body=body,
         request_id=uuid.uuid4().hex,
         timeout_s=request.app[SETTINGS].request_timeout_s,
+        # The interaction is the response the client saw: set_reward takes its resp_… id.
+        interaction_id=builder.response_id,
     )
     async with contextlib.aclosing(upstream) as items:
         if call.stream:

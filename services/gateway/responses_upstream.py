@@ -9,7 +9,7 @@ recorded under.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,8 +177,14 @@ async def stream_chat(
     body: dict[str, Any],
     request_id: str,
     timeout_s: float,
+    interaction_id: str = "",
+    on_routed: Callable[[str], None] | None = None,
 ) -> AsyncGenerator[Delta | Completion, None]:
-    """Deltas as the upstream sends them, then the Completion (after the turn is recorded)."""
+    """Deltas as the upstream sends them, then the Completion (after the turn is recorded).
+
+    `interaction_id` names the recorded interaction (else the completion id); `on_routed`
+    gets the address of the worker running the call once its stream is open.
+    """
     model = str(body.get("model") or "")
     upstream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
     turn = chat.Turn(
@@ -187,9 +193,13 @@ async def stream_chat(
         body=orjson.dumps(upstream_body),
         request_id=request_id,
         deadline=time.monotonic() + timeout_s,
+        interaction_id=interaction_id,
     )
     # The chat path's own relay: routing, the one reroute, DataProxy.Chat and its recording.
-    call, message = await chat._open_stream(chat._Relay(request, turn))
+    relay = chat.Relay(request, turn)
+    call, message = await chat.open_stream(relay)
+    if on_routed is not None:
+        on_routed(relay.worker_address)
     accumulator = ChunkAccumulator()
     try:
         while True:

@@ -109,6 +109,25 @@ class ModelPicker:
         return model
 
 
+class TurnAborter:
+    """Stops a run's upstream generation through the dataproxy (`AbortTurn` → the worker)."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    async def __call__(self, digest: str, worker_address: str, request_id: str) -> bool:
+        try:
+            answer = await self._app[BACKENDS].dataproxy.AbortTurn(
+                dataproxy_pb2.AbortTurnRequest(
+                    key_digest=digest, worker_address=worker_address, request_id=request_id
+                ),
+                timeout=self._app[SETTINGS].rpc_timeout_s,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, hop="dataproxy") from None
+        return bool(answer.found)
+
+
 def mount(app: web.Application, config: WsConfig | None = None) -> None:
     """Adds `GET /ws`, the run registry and the shutdown of open sockets to `app`."""
     app[WS_CONFIG] = config or WsConfig()
@@ -122,7 +141,12 @@ def mount(app: web.Application, config: WsConfig | None = None) -> None:
 
 async def _runs_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[WS_CONFIG]
-    runs = Runs(store=app[CONVERSATIONS], config=config, pick_model=ModelPicker(app, config))
+    runs = Runs(
+        store=app[CONVERSATIONS],
+        config=config,
+        pick_model=ModelPicker(app, config),
+        abort_turn=TurnAborter(app),
+    )
     app[WS_RUNS] = runs
     yield
     await runs.close()
@@ -355,7 +379,7 @@ class Connection:
         run_id = _required_str(req.params, "idempotencyKey")
         self._remember(conversation)
         if text.strip() == "/stop":
-            aborted = self.runs.abort(self.digest, conversation)
+            aborted = await self.runs.abort(self.digest, conversation)
             await self._send(ok(req.id, {"ok": True, "aborted": bool(aborted), "runIds": aborted}))
             return
         known = self.runs.known_run(self.digest, run_id)
@@ -465,7 +489,7 @@ class Connection:
     async def _chat_abort(self, req: Request) -> None:
         conversation = session_key(_required_str(req.params, "sessionKey"))
         run_id = req.params.get("runId")
-        aborted = self.runs.abort(
+        aborted = await self.runs.abort(
             self.digest, conversation, run_id if isinstance(run_id, str) else ""
         )
         await self._send(ok(req.id, {"ok": True, "aborted": bool(aborted), "runIds": aborted}))

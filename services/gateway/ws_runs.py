@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -79,9 +80,13 @@ class Lane:
     task: asyncio.Task[None] | None = None
     generation: asyncio.Task[RunResult] | None = None
     abort_requested: bool = False
+    # The worker running the current generation ("" until its stream is open).
+    worker_address: str = ""
 
 
 ModelPicker = Callable[[], Awaitable[str]]
+# (key digest, worker address, request id) → whether the worker had that turn running.
+TurnAborter = Callable[[str, str, str], Awaitable[bool]]
 
 
 class Runs:
@@ -93,10 +98,12 @@ class Runs:
         store: ConversationsClient,
         config: WsConfig,
         pick_model: ModelPicker,
+        abort_turn: TurnAborter | None = None,
     ) -> None:
         self._store = store
         self._config = config
         self._pick_model = pick_model
+        self._abort_turn = abort_turn
         self._lanes: dict[tuple[str, str], Lane] = {}
         self._known: OrderedDict[tuple[str, str], asyncio.Future[RunResult]] = OrderedDict()
 
@@ -116,8 +123,13 @@ class Runs:
         if lane.task is None or lane.task.done():
             lane.task = asyncio.create_task(self._drain(lane))
 
-    def abort(self, digest: str, conversation: str, run_id: str = "") -> list[str]:
-        """Stops the running generation (and drops queued messages) of a conversation."""
+    async def abort(self, digest: str, conversation: str, run_id: str = "") -> list[str]:
+        """Stops the running generation (and drops queued messages) of a conversation.
+
+        The running turn is stopped through the worker (AbortTurn), so its stream ends normally
+        and the partial turn is recorded; when that fails the run's task is cancelled instead
+        (nothing recorded).
+        """
         lane = self._lanes.get((digest, conversation))
         if lane is None:
             return []
@@ -128,11 +140,24 @@ class Runs:
                 message.done.set_result(RunResult(status="aborted", text=""))
                 aborted.append(message.run_id)
         running_ids = [m.run_id for m in lane.running]
-        if lane.generation is not None and (not run_id or run_id in running_ids):
+        generation = lane.generation
+        if generation is not None and (not run_id or run_id in running_ids):
             lane.abort_requested = True
-            lane.generation.cancel()
+            if not await self._stopped_by_worker(lane, digest):
+                generation.cancel()
             aborted += running_ids
         return aborted
+
+    async def _stopped_by_worker(self, lane: Lane, digest: str) -> bool:
+        if self._abort_turn is None or not lane.worker_address or not lane.running:
+            return False
+        run_id = lane.running[0].run_id
+        try:
+            found = await self._abort_turn(digest, lane.worker_address, run_id)
+        except RollgateError as err:
+            log.warning("ws_abort_turn_failed", run_id=run_id, code=err.code, message=err.message)
+            return False
+        return found
 
     async def close(self) -> None:
         """Stops every lane (gateway shutdown)."""
@@ -227,17 +252,22 @@ class Runs:
         stream = _EventStream(primary, lane.conversation, sinks, self._config)
         await stream.lifecycle("start", startedAt=now_ms())
         lane.abort_requested = False
+        lane.worker_address = ""
         lane.generation = asyncio.create_task(
-            self._consume(primary, body, lane.digest, stream, deadline - time.monotonic())
+            self._consume(lane, primary, body, stream, deadline - time.monotonic())
         )
         try:
             result = await lane.generation
+            if lane.abort_requested:
+                # Stopped by the worker: the partial turn was recorded under the runId.
+                result = dataclasses.replace(result, status="aborted", stop_reason="aborted")
         except asyncio.CancelledError:
             if not lane.abort_requested:
                 raise
             result = RunResult(status="aborted", text=stream.text, stop_reason="aborted")
         finally:
             lane.generation = None
+            lane.worker_address = ""
         entry_meta = {"runId": primary.run_id, "ts": now_ms()}
         assistant: dict[str, Any] = {"role": "assistant", "content": result.text}
         if result.status == "aborted":
@@ -259,18 +289,24 @@ class Runs:
 
     async def _consume(
         self,
+        lane: Lane,
         primary: Message,
         body: dict[str, Any],
-        digest: str,
         stream: _EventStream,
         timeout_s: float,
     ) -> RunResult:
+        def routed(address: str) -> None:
+            lane.worker_address = address
+
         upstream = stream_chat(
             primary.request,
-            digest=digest,
+            digest=lane.digest,
             body=body,
             request_id=stream.run_id,
             timeout_s=max(timeout_s, 0.001),
+            # The run is the interaction the client saw: set_reward takes the runId.
+            interaction_id=stream.run_id,
+            on_routed=routed,
         )
         async with contextlib.aclosing(upstream) as items:
             async for item in items:

@@ -55,7 +55,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        events = self._runner.stream(request.body_json, budget_s=self._budget_s(context))
+        events = self._runner.stream(
+            request.body_json, budget_s=self._budget_s(context), request_id=request.request_id
+        )
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -68,6 +70,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except RollgateError as err:
             _log_failure(request, err)
             await abort_with(context, err)
+
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: Context
+    ) -> worker_pb2.AbortResponse:
+        return worker_pb2.AbortResponse(found=self._runner.abort(request.request_id))
 
     async def Complete(
         self, request: worker_pb2.GenerateRequest, context: Context

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,49 @@ class _Group:
     def finished(self) -> bool:
         return all(acc.finish_reason for acc in self.samples.values())
 
+    def abort(self) -> None:
+        """Marks every unfinished sample as stopped by an abort."""
+        for acc in self.samples.values():
+            if not acc.finish_reason:
+                acc.finish_reason = ABORT
+
+
+ABORT = "abort"
+
+
+def _abort_chunk(acc: TurnAccumulator) -> dict[str, Any]:
+    """The last chunk the client gets from an aborted stream: finish_reason "abort"."""
+    return {
+        "id": acc.interaction_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": acc.model,
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": ABORT}],
+    }
+
+
+async def _until_set(
+    source: AsyncIterator[list[bytes]], stop: asyncio.Event
+) -> AsyncGenerator[list[bytes], None]:
+    """The items of `source` until `stop` is set (the pending read is cancelled then)."""
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        while not stop.is_set():
+            step = asyncio.ensure_future(anext(source))
+            await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        waiter.cancel()
+
 
 def _index_zero(choices: list[Any]) -> bool:
     return not choices or (isinstance(choices[0], dict) and choices[0].get("index", 0) == 0)
@@ -131,6 +175,8 @@ class TurnRunner:
         self._tokenizer = tokenizer
         self._url = adapter.endpoint(upstream.base_url)
         self._in_flight = 0
+        # request_id → abort signals of the streaming turns running under it.
+        self._aborts: dict[str, set[asyncio.Event]] = {}
         # Turns whose logprob count differed from their id count (flagged, never padded).
         self.length_mismatches = 0
 
@@ -138,6 +184,28 @@ class TurnRunner:
     def in_flight(self) -> int:
         """Turns running now (reported on heartbeats)."""
         return self._in_flight
+
+    def abort(self, request_id: str) -> bool:
+        """Stops the streaming turns of `request_id`: each ends with its tokens so far."""
+        signals = self._aborts.get(request_id, set()) if request_id else set()
+        for signal in signals:
+            signal.set()
+        log.info("turn_abort_requested", request_id=request_id, found=bool(signals))
+        return bool(signals)
+
+    @contextlib.contextmanager
+    def _abortable(self, request_id: str) -> Iterator[asyncio.Event]:
+        signal = asyncio.Event()
+        if request_id:
+            self._aborts.setdefault(request_id, set()).add(signal)
+        try:
+            yield signal
+        finally:
+            signals = self._aborts.get(request_id)
+            if signals is not None:
+                signals.discard(signal)
+                if not signals:
+                    del self._aborts[request_id]
 
     def _request(self, body_json: bytes, *, stream: bool) -> UpstreamRequest:
         return build_upstream_request(
@@ -190,9 +258,13 @@ class TurnRunner:
         )
 
     async def stream(
-        self, body_json: bytes, *, budget_s: float
+        self, body_json: bytes, *, budget_s: float, request_id: str = ""
     ) -> AsyncGenerator[list[bytes] | TurnResult, None]:
-        """Batches of client chunks as they arrive, then the turn's record; raises RollgateError."""
+        """Batches of client chunks as they arrive, then the turn's record; raises RollgateError.
+
+        `abort(request_id)` ends the upstream call early: the last chunk then says
+        finish_reason "abort" and the record holds the tokens sampled so far.
+        """
         request = self._request(body_json, stream=True)
         translator = self._adapter.translator(request.body, request.model)
         deadline = asyncio.get_running_loop().time() + budget_s
@@ -201,26 +273,32 @@ class TurnRunner:
         done = False
         self._in_flight += 1
         try:
-            async with self._upstream.post_chat(
-                request.body, deadline=deadline, url=self._url
-            ) as response:
-                async for payloads in self._upstream.read_events(response, deadline=deadline):
-                    batch: list[bytes] = []
-                    for payload in payloads:
-                        if payload == DONE:
-                            done = True
-                            break
-                        for chunk in translator.events(_parse_chunk(payload)):
-                            group.read_chunk(chunk)
-                            if group.main.output_seen:
-                                clock.mark_first_token()
-                            view = client_chunk(chunk, request.ask)
-                            if view is not None:
-                                batch.append(orjson.dumps(view))
-                    if batch:
-                        yield batch
-                    if done:
-                        break
+            with self._abortable(request_id) as aborted:
+                async with self._upstream.post_chat(
+                    request.body, deadline=deadline, url=self._url
+                ) as response:
+                    events = self._upstream.read_events(response, deadline=deadline)
+                    async with contextlib.aclosing(_until_set(events, aborted)) as batches:
+                        async for payloads in batches:
+                            batch: list[bytes] = []
+                            for payload in payloads:
+                                if payload == DONE:
+                                    done = True
+                                    break
+                                for chunk in translator.events(_parse_chunk(payload)):
+                                    group.read_chunk(chunk)
+                                    if group.main.output_seen:
+                                        clock.mark_first_token()
+                                    view = client_chunk(chunk, request.ask)
+                                    if view is not None:
+                                        batch.append(orjson.dumps(view))
+                            if batch:
+                                yield batch
+                            if done:
+                                break
+                if aborted.is_set() and not done and not group.finished():
+                    group.abort()
+                    yield [orjson.dumps(_abort_chunk(group.main))]
             if not done and not group.finished():
                 raise UpstreamError(
                     "the upstream ended its stream before the answer was complete",

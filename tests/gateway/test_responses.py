@@ -253,3 +253,35 @@ async def test_a_chain_survives_a_refresh_of_the_key(stack: Stack) -> None:
     assert stack.mock.stats.last_body is not None
     contents = [m["content"] for m in stack.mock.stats.last_body["messages"]]
     assert contents[0] == "before refresh"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_interaction_id_is_the_response_id_and_set_reward_takes_it(
+    stack: Stack, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    key = (await _start(stack))["api_key"]
+    async with client(stack, key) as sdk:
+        if stream:
+            events = await sdk.responses.create(model=MODEL, input="reward me", stream=True)
+            response_id = ""
+            async for event in events:
+                if event.type == "response.completed":
+                    response_id = event.response.id
+        else:
+            response = await sdk.responses.create(model=MODEL, input="reward me")
+            response_id = response.id
+        await sdk.responses.create(model=MODEL, input="a later turn")
+    assert response_id.startswith("resp_")
+    async with stack.http.post(
+        stack.url + "/rl/set_reward",
+        json={"reward": 0.75, "interaction_id": response_id},
+        headers=_auth(key),
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["interaction_id"] == response_id
+    trajectory = await published(stack, redis_client, key)
+    first, second = trajectory["interactions"]
+    assert first["interaction_id"] == response_id
+    assert first["reward"] == 0.75 and first["reward_set"] is True
+    assert second["interaction_id"].startswith("resp_")
+    assert second["reward_set"] is False

@@ -172,9 +172,12 @@ async def test_the_cli_agent_sequence_gets_accepted_then_ok_and_is_recorded(
     assert final["payload"]["summary"] == "completed"
     [payload] = final["payload"]["result"]["payloads"]
     assert payload["text"].startswith("Mock reply")
+    # The run is the interaction the client saw: recorded under its runId.
+    assert final["payload"]["result"]["meta"]["interactionId"] == run_id
     await client.ws.close()
     trajectory = await published(stack, redis_client, key)
     [interaction] = trajectory["interactions"]
+    assert interaction["interaction_id"] == run_id
     assert interaction["messages"] == [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": "hello via openclaw agent"},
@@ -444,7 +447,7 @@ async def test_queue_modes_merge_or_serialize_queued_messages(
 
 
 async def test_chat_abort_stops_the_generation_and_records_the_partial_turn(
-    stack: Stack, ws_url: str
+    stack: Stack, ws_url: str, redis_client: aioredis.Redis
 ) -> None:
     key = (await _start(stack))["api_key"]
     client = await open_client(stack.http, ws_url, key)
@@ -475,6 +478,17 @@ async def test_chat_abort_stops_the_generation_and_records_the_partial_turn(
     assert assistant["aborted"] is True
     assert assistant["content"][0]["text"] == partial
     await client.ws.close()
+    assert stack.mock.stats.streams_finished == 0
+    # The worker ended the turn with the tokens so far; it is recorded under the runId.
+    [interaction] = (await published(stack, redis_client, key))["interactions"]
+    assert interaction["interaction_id"] == run_id
+    assert interaction["finish_reason"] == "abort"
+    assert interaction["output"]["content"] == partial
+    # This stack's worker is of the `openai` kind: logprobs, no ids (tests/dataproxy/
+    # test_abort_turn.py checks the ids of an aborted vllm turn).
+    n_logprobs = len(interaction["output_logprobs"]) // 4
+    assert 0 < n_logprobs < 200
+    assert interaction["output_token_ids"] == b""
 
 
 async def test_a_refresh_keeps_the_socket_and_the_next_turn_joins_the_new_episode(
