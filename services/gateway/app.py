@@ -37,7 +37,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)
     responses.mount(app)
-    ws.mount(app)
+    ws.mount(app, ws.config_from(settings))
     app.router.add_get("/health", health.health, allow_head=False)
     app.router.add_get("/ready", health.ready, allow_head=False)
     app.router.add_get("/metrics", health.metrics, allow_head=False)

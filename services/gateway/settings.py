@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from services.gateway.ws_protocol import DEFAULT_SYSTEM_PROMPT
 from services.runtime.settings import env_bool, env_float, env_int, env_str
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -39,6 +41,15 @@ class GatewaySettings:
     grace_s: float = 10.0
     log_level: str = "info"
     log_json: bool | None = None
+    # The WebSocket bridge (`/ws`, docs/protocols.md): the model its runs use ("": the first
+    # model a live worker serves), their system prompt, the tick interval, the frame and
+    # buffer limits announced in hello-ok, and the deadline of one run.
+    ws_model: str = ""
+    ws_system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    ws_tick_interval_ms: int = 15_000
+    ws_max_payload_bytes: int = 25 * 1024 * 1024
+    ws_max_buffered_bytes: int = 50 * 1024 * 1024
+    ws_run_timeout_s: float = 600.0
 
     @classmethod
     def from_env(
@@ -75,4 +86,22 @@ class GatewaySettings:
             log_json=None
             if raw_json in ("", "auto")
             else env_bool(environ, "ROLLGATE_LOG_JSON", False),
+            **_ws_settings(environ),
         )
+
+
+def _ws_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The `ROLLGATE_WS_*` variables; every limit must be positive."""
+    numbers: dict[str, Any] = {
+        "ws_tick_interval_ms": env_int(environ, "ROLLGATE_WS_TICK_INTERVAL_MS", 15_000),
+        "ws_max_payload_bytes": env_int(environ, "ROLLGATE_WS_MAX_PAYLOAD_BYTES", 25 << 20),
+        "ws_max_buffered_bytes": env_int(environ, "ROLLGATE_WS_MAX_BUFFERED_BYTES", 50 << 20),
+        "ws_run_timeout_s": env_float(environ, "ROLLGATE_WS_RUN_TIMEOUT_S", 600.0),
+    }
+    for name, value in numbers.items():
+        if value <= 0:
+            raise ValueError(f"ROLLGATE_{name.upper()}={value} must be positive")
+    return numbers | {
+        "ws_model": env_str(environ, "ROLLGATE_WS_MODEL", ""),
+        "ws_system_prompt": env_str(environ, "ROLLGATE_WS_SYSTEM_PROMPT", DEFAULT_SYSTEM_PROMPT),
+    }

@@ -23,6 +23,7 @@ from protos import dataproxy_pb2, router_pb2
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
+from services.gateway.settings import GatewaySettings
 from services.gateway.ws_protocol import (
     AGENT_TIMEOUT,
     CLOSE_POLICY,
@@ -126,6 +127,18 @@ class TurnAborter:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, hop="dataproxy") from None
         return bool(answer.found)
+
+
+def config_from(settings: GatewaySettings) -> WsConfig:
+    """The bridge's configuration from the gateway settings (`ROLLGATE_WS_*`)."""
+    return WsConfig(
+        model=settings.ws_model,
+        system_prompt=settings.ws_system_prompt,
+        tick_interval_ms=settings.ws_tick_interval_ms,
+        max_payload_bytes=settings.ws_max_payload_bytes,
+        max_buffered_bytes=settings.ws_max_buffered_bytes,
+        run_timeout_s=settings.ws_run_timeout_s,
+    )
 
 
 def mount(app: web.Application, config: WsConfig | None = None) -> None:
