@@ -23,6 +23,7 @@ from services.dataproxy.scripts import Scripts
 from services.dataproxy.servicer import DataProxyServicer
 from services.dataproxy.sessions import EpisodePolicy, SessionStore
 from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.stream_trim import StreamTrimmer
 from services.dataproxy.trainer_servicer import TrainerServicer, build_control
 from services.runtime.config import merged_environ
 from services.runtime.grpc_client import ChannelPool
@@ -91,6 +92,8 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             ) from err
         channels = await stack.enter_async_context(ChannelPool())
         keys = RedisKeys(settings.redis_prefix)
+        # Trims the trajectories stream below what every consumer group has acked.
+        await stack.enter_async_context(StreamTrimmer(redis=redis, keys=keys))
         control = build_control(redis=redis, keys=keys, settings=settings)
         store = build_store(redis=redis, settings=settings)
         trainer = TrainerServicer(redis=redis, keys=keys, settings=settings, control=control)

@@ -7,7 +7,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
@@ -35,6 +35,11 @@ class TurnRequest:
     request_id: str
     # Record the turn under this id (the id the client saw) instead of the completion id.
     interaction_id: str = ""
+    # OpenClaw-RL's headers: the session (header-mode keys only), main | side, and whether
+    # to end the session's episode after this turn (header-mode keys only).
+    session_id: str = ""
+    turn_type: str = "main"
+    session_done: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +80,7 @@ class TurnRunner:
     ) -> AsyncGenerator[list[bytes] | RecordedTurn, None]:
         """Chunk batches as the worker sends them, then the RecordedTurn (after the append)."""
         episode, lease = await self._admit(request)
+        recorded = False  # the append released the lease
         try:
             stub, generate = self._generate_request(request, episode)
             call = stub.Generate(generate, timeout=self._turn_timeout_s)
@@ -92,13 +98,17 @@ class TurnRunner:
                 call.cancel()
             if record is None:
                 raise UpstreamError("the worker ended the turn without a token record")
-            yield await self._record(episode, record, request)
+            turn = await self._record(episode, record, request)
+            recorded = True
+            yield turn
         finally:
-            await self._release(lease)
+            if not recorded:
+                await self._release(lease)
 
     async def complete(self, request: TurnRequest) -> CompletedTurn:
         """One non-streaming turn, recorded before its body is returned."""
         episode, lease = await self._admit(request)
+        recorded = False  # the append released the lease
         try:
             stub, generate = self._generate_request(request, episode)
             call = stub.Complete(generate, timeout=self._turn_timeout_s)
@@ -110,8 +120,10 @@ class TurnRunner:
                 call.cancel()
                 raise
             turn = await self._record(episode, response.record, request)
+            recorded = True
         finally:
-            await self._release(lease)
+            if not recorded:
+                await self._release(lease)
         return CompletedTurn(body_json=response.body_json, turn=turn)
 
     async def abort(self, *, key_digest: str, worker_address: str, request_id: str) -> bool:
@@ -130,12 +142,20 @@ class TurnRunner:
         return bool(answer.found)
 
     async def _admit(self, request: TurnRequest) -> tuple[ActiveEpisode, TurnLease]:
-        """The key's episode (401/503 first), then admission (waits while paused)."""
+        """The key's episode (401/503/400 first) and admission (waits while paused): one
+        script per attempt, which also takes the in-flight lease."""
         if not request.worker_address:
             raise InvalidRequest("no worker address: the gateway must route the turn first")
-        episode = await self._store.active_episode(request.key_digest)
-        lease = await self._control.admit()
-        return replace(episode, weight_version=lease.weight_version), lease
+
+        async def begin(token: str, lease_until: float) -> ActiveEpisode | None:
+            return await self._store.begin_turn(
+                request.key_digest,
+                session_id=request.session_id,
+                token=token,
+                lease_until=lease_until,
+            )
+
+        return await self._control.admit(begin)
 
     async def _release(self, lease: TurnLease) -> None:
         # Shielded: a cancelled turn still stops counting as in flight (else its lease expires).
@@ -161,14 +181,17 @@ class TurnRunner:
         if not record.interaction_id:
             # Every interaction needs an id for set_reward; the worker should have sent one.
             record.interaction_id = "chatcmpl-rg-" + secrets.token_hex(12)
-        data = encode_turn(
-            record,
-            weight_version=episode.weight_version,
-            weight_version_end=await self._control.weight_version(),
-            now=time.time(),
-        )
-        index = await self._store.append_turn(
-            episode, interaction_id=record.interaction_id, record=data
+        now = time.time()
+        index = await self._store.record_turn(
+            episode,
+            interaction_id=record.interaction_id,
+            encode=lambda version_end: encode_turn(
+                record,
+                weight_version=episode.weight_version,
+                weight_version_end=version_end,
+                now=now,
+                turn_type=request.turn_type,
+            ),
         )
         log.info(
             "turn_recorded",
@@ -179,6 +202,8 @@ class TurnRunner:
             output_tokens=len(record.output_token_ids),
             finish_reason=record.finish_reason,
         )
+        if request.session_done and episode.client_session_id:
+            await self._store.end_after_turn(episode)
         return RecordedTurn(
             interaction_id=record.interaction_id, session_id=episode.session_id, index=index
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -39,6 +41,20 @@ class CapacityPolicy:
         """(offpolicyness, batch size) as the bind script takes them; -1: no bound."""
         ofp = -1 if self.max_head_offpolicyness is None else self.max_head_offpolicyness
         return ofp, self.batch_size
+
+
+class Admitted(Protocol):
+    """What a turn's start returns once admitted: at least the version it is stamped with."""
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version when the turn was admitted."""
+        ...
+
+
+AdmittedT = TypeVar("AdmittedT", bound=Admitted)
+# begin(token, lease deadline): the admitted turn, or None while submission is paused.
+Begin = Callable[[str, float], Awaitable[AdmittedT | None]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,21 +120,16 @@ class Control:
 
     # -- turns -------------------------------------------------------------------------
 
-    async def admit(self) -> TurnLease:
-        """Registers a running turn; while paused waits up to pause_wait_s, then 503."""
+    async def admit(self, begin: Begin[AdmittedT]) -> tuple[AdmittedT, TurnLease]:
+        """Runs `begin` (which resolves the turn's episode and registers its in-flight lease
+        in one script) until submission is not paused: waits up to pause_wait_s, then 503."""
         token = secrets.token_hex(12)
         deadline = time.monotonic() + self._pause_wait_s
         delay = POLL_MIN_S
         while True:
-            now = time.time()
-            async with asyncio.timeout(COMMAND_TIMEOUT_S):
-                status, version = await self._scripts.begin_turn.run(
-                    self._redis,
-                    [self._keys.paused, self._keys.in_flight, self._keys.weight_version],
-                    [token, repr(now + self._lease_s), repr(now)],
-                )
-            if status == b"ok":
-                return TurnLease(token=token, weight_version=int(version))
+            admitted = await begin(token, time.time() + self._lease_s)
+            if admitted is not None:
+                return admitted, TurnLease(token=token, weight_version=admitted.weight_version)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(
@@ -201,10 +212,11 @@ class Control:
             version=int(version or 0),
             grants=None if grants is None else int(grants),
         )
-        total = int(interactions or 0)
+        # Each episode's first interaction cannot have a parent (docs/trajectory-schema.md).
+        could_join = int(interactions or 0) - int(published or 0)
         return ControlSnapshot(
             capacity=capacity,
             paused=bool(paused),
             in_flight=int(running),
-            join_rate=int(joined or 0) / total if total else 0.0,
+            join_rate=int(joined or 0) / could_join if could_join > 0 else 0.0,
         )

@@ -34,6 +34,10 @@ class RedisKeys:
         """Hash interaction id → index in the turns list of one episode."""
         return f"{self.prefix}ix:{key_id}:{episode}"
 
+    def session(self, key_id: str, session_id: str) -> str:
+        """Hash of one header-mode session: `episode` (active, or ""), `epoch`, `count`, `last`."""
+        return f"{self.prefix}hsess:{key_id}:{session_id}"
+
     def refreshing(self, digest: str) -> str:
         """Marker set (NX, with a TTL) while a refresh of the key runs."""
         return f"{self.prefix}refreshing:{digest}"

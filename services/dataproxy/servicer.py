@@ -23,6 +23,9 @@ def _turn_request(request: dataproxy_pb2.ChatRequest) -> TurnRequest:
         body_json=request.body_json,
         request_id=request.request_id,
         interaction_id=request.interaction_id,
+        session_id=request.session_id,
+        turn_type=request.turn_type or "main",
+        session_done=request.session_done,
     )
 
 
@@ -72,7 +75,7 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
         self, request: dataproxy_pb2.EndSessionRequest, context: Context
     ) -> dataproxy_pb2.EndSessionResponse:
         try:
-            ended = await self._store.end(request.key_digest)
+            ended = await self._store.end(request.key_digest, session_id=request.session_id)
         except RollgateError as err:
             await abort_with(context, err)
         return dataproxy_pb2.EndSessionResponse(
@@ -102,6 +105,17 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
             body_json=done.body_json,
             interaction_id=done.turn.interaction_id,
             session_id=done.turn.session_id,
+        )
+
+    async def IssueKey(
+        self, request: dataproxy_pb2.IssueKeyRequest, context: Context
+    ) -> dataproxy_pb2.IssueKeyResponse:
+        try:
+            issued = await self._store.issue_key(task_id=request.task_id, mode=request.mode)
+        except RollgateError as err:
+            await abort_with(context, err)
+        return dataproxy_pb2.IssueKeyResponse(
+            api_key=issued.api_key, key_id=issued.key_id, mode=issued.mode
         )
 
     async def ResolveKey(

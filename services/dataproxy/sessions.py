@@ -12,8 +12,8 @@ import contextlib
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -58,6 +58,23 @@ NO_CAPACITY = (
     "up (open and published episodes reached its staleness bound or grants). {what}"
 )
 HELD = "ended_awaiting_reward"
+# Key modes: one episode at a time started by start_session, or many named by X-Session-Id.
+KEY_MODE = "key"
+HEADER_MODE = "header"
+MAX_SESSION_ID_LEN = 256
+NEEDS_SESSION = (
+    "this key is a header-mode key: send X-Session-Id (or `session_id` in the body) to name "
+    "the episode"
+)
+HEADER_KEY_NO_START = (
+    "this is a header-mode key: its episodes start with the first call that names a new "
+    "X-Session-Id, not with /rl/start_session"
+)
+# end_session on an idle key returns the key's last publication when it ended this recently
+# (a retry whose first reply was lost); older ones answer 409.
+END_RETRY_WINDOW_S = 300.0
+# record_turn re-encodes a turn whose weight version moved while it was being appended.
+MAX_RECORD_ATTEMPTS = 5
 MAX_GROUP_SIZE = 1024
 # A refresh marker lives this long unless its holder keeps it alive (a dead holder's expires).
 MARKER_TTL_S = 10.0
@@ -89,6 +106,9 @@ class KeyState:
     task_id: str = ""
     # The latest ended episode of this key still held for a late reward ("" when none).
     held: str = ""
+    # KEY_MODE, or HEADER_MODE (then `episode` is one session's episode, `session_id` its name).
+    mode: str = KEY_MODE
+    session_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,11 +120,16 @@ class ActiveEpisode:
     episode: str
     epoch: int
     weight_version: int
+    mode: str = KEY_MODE
+    # Header mode: the X-Session-Id that names the episode.
+    client_session_id: str = ""
+    # The in-flight lease the turn holds ("" when none); the append releases it.
+    lease_token: str = ""
 
     @property
     def session_id(self) -> str:
-        """With per-episode keys the episode name is the session id."""
-        return self.episode
+        """The X-Session-Id in header mode; with per-episode keys the episode name."""
+        return self.client_session_id or self.episode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +156,15 @@ class StartedSession:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class IssuedKey:
+    """A long-lived key issued by the admin (`POST /rl/keys`)."""
+
+    api_key: str
+    key_id: str
+    mode: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Member:
     """One episode a bind creates: its key's digest, its task, its names."""
 
@@ -138,6 +172,13 @@ class _Member:
     task_id: str
     session_id: str
     trajectory_id: str
+    # The episode's name when it differs from session_id (header mode).
+    episode: str = ""
+
+    @property
+    def name(self) -> str:
+        """The episode name (`ep:{key_id}:{name}`)."""
+        return self.episode or self.session_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +236,9 @@ class SessionStore:
             return await self._start_group(task_id or DEFAULT_TASK_ID, group_size)
         if api_key:
             digest = key_digest(api_key)
+            mode = await self._redis.hget(self._keys.key(digest), "mode")
+            if mode == HEADER_MODE.encode():
+                raise InvalidRequest(HEADER_KEY_NO_START, code="header_mode_key")
             if await self._redis.exists(self._keys.key(digest)):
                 return await self._refresh(api_key, digest, task_id)
             # AReaL behaviour: a key never issued here is not honoured; mint a new one.
@@ -304,6 +348,11 @@ class SessionStore:
                 return value
             if status == "busy":
                 raise Conflict("another episode was bound to this key meanwhile; retry")
+            if status == "exists" and mode == HEADER_MODE:
+                # The session's next name was taken (an expired pointer): pick a fresh one.
+                taken = members[0]
+                members[0] = replace(taken, episode=f"{taken.name}-{secrets.token_hex(3)}")
+                continue
             if status != "full":
                 raise InternalError(f"binding an episode failed: {status}")
             left = deadline - time.monotonic()
@@ -320,12 +369,15 @@ class SessionStore:
     async def _bind_once(
         self, members: list[_Member], *, mode: str, group_id: str
     ) -> tuple[str, int]:
+        slot = self._keys.group(group_id) if group_id else self._keys.stats
+        if mode == HEADER_MODE:
+            slot = self._keys.session(key_id_of(members[0].digest), members[0].session_id)
         keys = [
             self._keys.stats,
             self._keys.capacity,
             self._keys.weight_version,
             self._keys.idle,
-            self._keys.group(group_id) if group_id else self._keys.stats,
+            slot,
         ]
         ofp, batch_size = self._policy.capacity.bound_args
         args: list[Any] = [
@@ -340,17 +392,107 @@ class SessionStore:
         ]
         for m in members:
             key_id = key_id_of(m.digest)
-            keys += [self._keys.key(m.digest), self._keys.episode(key_id, m.session_id)]
-            args += [key_id, m.task_id, m.session_id, m.trajectory_id, m.digest]
+            keys += [self._keys.key(m.digest), self._keys.episode(key_id, m.name)]
+            args += [key_id, m.task_id, m.name, m.trajectory_id, m.digest, m.session_id]
         status, value = await self._scripts.bind_episode.run(self._redis, keys, args)
         return _text(status), int(value)
 
     # -- end / publish -----------------------------------------------------------------
 
-    async def end(self, digest: str) -> Publication:
-        """Ends the key's active episode and publishes (or holds) it (`end_session`)."""
-        key = await self._require_active(digest)
-        return await self.publish(key, end_reason="end_session")
+    async def end(self, digest: str, *, session_id: str = "") -> Publication:
+        """Ends the key's active episode (header mode: the session's) and publishes it.
+
+        A retry on an idle key whose last episode ended within END_RETRY_WINDOW_S gets that
+        publication again (the first reply may have been lost); nothing is published twice.
+        """
+        key = await self.resolve(digest)
+        if key.mode == HEADER_MODE:
+            return await self._end_session(key, _session_name(session_id))
+        if key.active:
+            return await self.publish(key, end_reason="end_session")
+        last = await self._last_publication(digest)
+        if last is None:
+            raise Conflict(NO_ACTIVE_EPISODE)
+        return last
+
+    async def _last_publication(self, digest: str) -> Publication | None:
+        fields: list[Any] = await self._redis.hmget(
+            self._keys.key(digest),
+            "last_episode",
+            "last_status",
+            "last_trajectory_id",
+            "last_stream_id",
+            "last_turns",
+            "last_ended_at",
+        )
+        episode, status, trajectory_id, stream_id, turns, ended_at = fields
+        if not episode or time.time() - float(ended_at or 0) > END_RETRY_WINDOW_S:
+            return None
+        return Publication(
+            status=_text(status),
+            session_id=_text(episode),
+            trajectory_id=_text(trajectory_id) if status != b"empty" else "",
+            stream_id=_text(stream_id),
+            interaction_count=int(turns or 0),
+        )
+
+    async def _end_session(self, key: KeyState, session_id: str) -> Publication:
+        """Ends a header-mode session's active episode; a retry gets its last one again."""
+        target = await self._session_episode(key, session_id)
+        if target.active:
+            return await self.publish(target, end_reason="end_session")
+        ep: list[Any] = await self._redis.hmget(
+            self._keys.episode(key.key_id, target.episode),
+            "state",
+            "trajectory_id",
+            "stream_id",
+            "turns",
+            "ended_at",
+        )
+        state, trajectory_id, stream_id, turns, ended_at = ep
+        if state is None or time.time() - float(ended_at or 0) > END_RETRY_WINDOW_S:
+            raise Conflict(f"session {session_id} has no active episode")
+        return Publication(
+            status="held" if state == HELD.encode() else _text(state),
+            session_id=session_id,
+            trajectory_id=_text(trajectory_id) if state != b"empty" else "",
+            stream_id=_text(stream_id),
+            interaction_count=int(turns or 0),
+        )
+
+    async def _session_episode(self, key: KeyState, session_id: str) -> KeyState:
+        """The session's active episode (active=True), else its last one; 404 when none."""
+        fields: list[Any] = await self._redis.hmget(
+            self._keys.session(key.key_id, session_id), "episode", "epoch", "last"
+        )
+        current, epoch, last = fields
+        episode, active = _text(current), bool(current)
+        if not episode:
+            episode = _text(last)
+            if not episode:
+                raise NotFound(f"session {session_id} not found for this key")
+            epoch = await self._redis.hget(self._keys.episode(key.key_id, episode), "epoch")
+        return replace(
+            key, active=active, episode=episode, epoch=int(epoch or 0), session_id=session_id
+        )
+
+    async def end_after_turn(self, episode: ActiveEpisode) -> Publication | None:
+        """`X-Session-Done`: ends the header-mode episode the turn ran in (None: ended already)."""
+        key = KeyState(
+            digest=episode.digest,
+            key_id=episode.key_id,
+            active=True,
+            episode=episode.episode,
+            epoch=episode.epoch,
+            mode=HEADER_MODE,
+            session_id=episode.client_session_id,
+        )
+        try:
+            return await self.publish(key, end_reason="session_done")
+        except (Conflict, Unavailable) as err:
+            # Ended meanwhile, or contended: the idle reaper ends it if it is still active.
+            log.warning("session_done_not_ended", session_id=key.session_id, reason=err.message)
+            return None
 
     async def publish(self, key: KeyState, *, end_reason: str) -> Publication:
         """Ends the episode `key` names, once: a retry returns the stored ids.
@@ -391,6 +533,9 @@ class SessionStore:
                     self._keys.awaiting_reward,
                     self._keys.trajectory_group(trajectory_id),
                     self._keys.group(group_id) if group_id else self._keys.stats,
+                    self._keys.session(key.key_id, key.session_id)
+                    if key.mode == HEADER_MODE
+                    else self._keys.stats,
                 ],
                 [
                     key.episode,
@@ -408,6 +553,7 @@ class SessionStore:
                     repr(hold_until),
                     group_id,
                     int(ep.get(b"group_size") or 0),
+                    key.mode,
                 ],
             )
             status = _text(result[0])
@@ -434,7 +580,7 @@ class SessionStore:
     def _ended(self, key: KeyState, result: Any, *, status: str, end_reason: str) -> Publication:
         publication = Publication(
             status=status,
-            session_id=key.episode,
+            session_id=key.session_id or key.episode,
             stream_id=_text(result[1]),
             trajectory_id=_text(result[2]),
             interaction_count=int(result[3]),
@@ -495,6 +641,8 @@ class SessionStore:
         """Ends the idle episode `digest/episode` if it is still active and still idle."""
         digest, _, episode = member.partition("/")
         key = await self._read_key(digest)
+        if key is not None and key.mode == HEADER_MODE:
+            key = await self._header_episode(key, episode)
         if key is None or not key.active or key.episode != episode:
             await self._redis.zrem(self._keys.idle, member)
             return None
@@ -504,6 +652,22 @@ class SessionStore:
             await self._redis.zadd(self._keys.idle, {member: due})
             return None
         return await self.publish(key, end_reason="idle")
+
+    async def _header_episode(self, key: KeyState, episode: str) -> KeyState | None:
+        """A header-mode key's episode as a KeyState (active as its hash says); None: gone."""
+        fields: list[Any] = await self._redis.hmget(
+            self._keys.episode(key.key_id, episode), "state", "epoch", "session_id"
+        )
+        state, epoch, session_id = fields
+        if state is None:
+            return None
+        return replace(
+            key,
+            active=state == b"active",
+            episode=episode,
+            epoch=int(epoch or 0),
+            session_id=_text(session_id),
+        )
 
     async def release_held(self, member: str) -> Publication | None:
         """Publishes the held episode `digest/episode` whose late reward never came (0)."""
@@ -557,6 +721,8 @@ class SessionStore:
         return _text(found)
 
     async def _reward_target(self, key: KeyState, session_id: str) -> tuple[KeyState, str]:
+        if key.mode == HEADER_MODE:
+            return await self._header_reward_target(key, _session_name(session_id))
         if session_id and not (key.active and key.episode == session_id):
             state, epoch = await self._redis.hmget(
                 self._keys.episode(key.key_id, session_id), "state", "epoch"
@@ -573,7 +739,125 @@ class SessionStore:
             raise Conflict(NO_ACTIVE_EPISODE)
         return key, "active"
 
-    # -- resolve / turns / history ------------------------------------------------------
+    async def _header_reward_target(self, key: KeyState, session_id: str) -> tuple[KeyState, str]:
+        target = await self._session_episode(key, session_id)
+        if target.active:
+            return target, "episode"
+        state = await self._redis.hget(self._keys.episode(key.key_id, target.episode), "state")
+        if state != HELD.encode():
+            raise Conflict(f"session {session_id} has no active episode (its last one ended)")
+        return target, "held"
+
+    # -- header-mode keys ----------------------------------------------------------------
+
+    async def issue_key(self, *, task_id: str = "", mode: str = HEADER_MODE) -> IssuedKey:
+        """A long-lived header-mode key: each X-Session-Id it sends names an episode."""
+        if mode != HEADER_MODE:
+            raise InvalidRequest(
+                f"mode must be {HEADER_MODE!r} (per-episode keys come from /rl/start_session)",
+                code="invalid_key_mode",
+            )
+        api_key = new_session_key()
+        digest = key_digest(api_key)
+        key_id = key_id_of(digest)
+        await self._redis.hset(
+            self._keys.key(digest),
+            mapping={
+                "key_id": key_id,
+                "task_id": task_id.strip() or DEFAULT_TASK_ID,
+                "mode": HEADER_MODE,
+                "state": "idle",
+                "episode": "",
+                "epoch": 0,
+                "created_at": repr(time.time()),
+            },
+        )
+        log.info("key_issued", key_id=key_id, mode=mode)
+        return IssuedKey(api_key=api_key, key_id=key_id, mode=mode)
+
+    # -- turns -------------------------------------------------------------------------
+
+    async def begin_turn(
+        self, digest: str, *, session_id: str, token: str, lease_until: float
+    ) -> ActiveEpisode | None:
+        """Resolves the key's (or session's) episode and takes the in-flight lease, in one
+        round trip; None while submission is paused (nothing taken).
+
+        A header-mode key's first call with a new session id binds an episode for it first
+        (waiting for capacity like any start); other keys ignore `session_id`.
+        """
+        for _ in range(MAX_PUBLISH_ATTEMPTS):
+            status, key_id, episode, epoch, version, mode = await self._scripts.begin_turn.run(
+                self._redis,
+                [
+                    self._keys.key(digest),
+                    self._keys.paused,
+                    self._keys.in_flight,
+                    self._keys.weight_version,
+                    self._keys.session(key_id_of(digest), session_id)
+                    if session_id
+                    else self._keys.paused,
+                ],
+                [token, repr(lease_until), repr(time.time()), session_id],
+            )
+            if status == b"ok":
+                header = mode == HEADER_MODE.encode()
+                return ActiveEpisode(
+                    digest=digest,
+                    key_id=_text(key_id),
+                    episode=_text(episode),
+                    epoch=int(epoch),
+                    weight_version=int(version),
+                    mode=_text(mode),
+                    client_session_id=session_id if header else "",
+                    lease_token=token,
+                )
+            if status == b"paused":
+                return None
+            if status == b"unknown":
+                raise Unauthenticated(UNKNOWN_KEY)
+            if status == b"not_active":
+                raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
+            if status == b"needs_session":
+                raise InvalidRequest(NEEDS_SESSION, code="session_id_required")
+            await self._start_header_episode(digest, _session_name(session_id), int(epoch))
+        raise Unavailable(
+            "the session's episode kept ending while this turn started; retry",
+            code="session_contended",
+            retry_after_s=1.0,
+        )
+
+    async def _start_header_episode(self, digest: str, session_id: str, count: int) -> None:
+        task_id: Any = await self._redis.hget(self._keys.key(digest), "task_id")
+        member = _Member(
+            digest=digest,
+            task_id=_text(task_id) or DEFAULT_TASK_ID,
+            session_id=session_id,
+            trajectory_id="traj-" + secrets.token_hex(12),
+            episode=session_id if count == 0 else f"{session_id}#{count + 1}",
+        )
+        what = "Retry the call with the same X-Session-Id."
+        await self._bind([member], mode=HEADER_MODE, what=what)
+        log.info("header_episode_started", session_id=session_id, episode=member.name)
+
+    async def record_turn(
+        self, episode: ActiveEpisode, *, interaction_id: str, encode: Callable[[int], bytes]
+    ) -> int:
+        """Appends the turn `encode(weight_version_end)` and releases its lease, in one round
+        trip (a second only when the weight version moved while the turn ran)."""
+        version = episode.weight_version
+        for _ in range(MAX_RECORD_ATTEMPTS):
+            status, value = await self._append(
+                episode, interaction_id=interaction_id, record=encode(version), expected=version
+            )
+            if status != b"version":
+                return self._appended(episode, interaction_id, status, value)
+            version = int(value)
+        raise Unavailable(
+            "the weight version kept changing while this turn was recorded; retry",
+            code="version_contended",
+            retry_after_s=1.0,
+        )
 
     async def resolve(self, digest: str) -> KeyState:
         """The key's state; unknown keys are Unauthenticated."""
@@ -604,6 +888,14 @@ class SessionStore:
         self, episode: ActiveEpisode, *, interaction_id: str, record: bytes
     ) -> int:
         """Appends a completed turn if its episode is still active; returns its index."""
+        status, index = await self._append(
+            episode, interaction_id=interaction_id, record=record, expected=-1
+        )
+        return self._appended(episode, interaction_id, status, index)
+
+    async def _append(
+        self, episode: ActiveEpisode, *, interaction_id: str, record: bytes, expected: int
+    ) -> tuple[bytes, int]:
         now = time.time()
         status, index = await self._scripts.append_turn.run(
             self._redis,
@@ -613,6 +905,8 @@ class SessionStore:
                 self._keys.turns(episode.key_id, episode.episode),
                 self._keys.interaction_index(episode.key_id, episode.episode),
                 self._keys.idle,
+                self._keys.in_flight,
+                self._keys.weight_version,
             ],
             [
                 episode.episode,
@@ -622,8 +916,16 @@ class SessionStore:
                 repr(now),
                 repr(now + self._policy.session_idle_timeout_s),
                 f"{episode.digest}/{episode.episode}",
+                episode.lease_token,
+                expected,
+                episode.mode,
             ],
         )
+        return status, int(index)
+
+    def _appended(
+        self, episode: ActiveEpisode, interaction_id: str, status: bytes, index: int
+    ) -> int:
         if status == b"ended":
             raise Unavailable(EPISODE_ENDED, code="episode_ended", retry_after_s=1.0)
         if status == b"duplicate":
@@ -658,9 +960,9 @@ class SessionStore:
 
     async def _read_key(self, digest: str) -> KeyState | None:
         fields: list[Any] = await self._redis.hmget(
-            self._keys.key(digest), "key_id", "state", "episode", "epoch", "task_id", "held"
+            self._keys.key(digest), "key_id", "state", "episode", "epoch", "task_id", "held", "mode"
         )
-        key_id, state, episode, epoch, task_id, held = fields
+        key_id, state, episode, epoch, task_id, held, mode = fields
         if key_id is None:
             return None
         return KeyState(
@@ -671,7 +973,21 @@ class SessionStore:
             epoch=int(epoch or 0),
             task_id=_text(task_id),
             held=_text(held),
+            mode=_text(mode) or KEY_MODE,
         )
+
+
+def _session_name(session_id: str) -> str:
+    """A header-mode session id as given, or InvalidRequest saying what is wrong with it."""
+    name = session_id.strip()
+    if not name:
+        raise InvalidRequest(NEEDS_SESSION, code="session_id_required")
+    if len(name) > MAX_SESSION_ID_LEN or not name.isprintable():
+        raise InvalidRequest(
+            f"X-Session-Id must be printable and at most {MAX_SESSION_ID_LEN} characters",
+            code="invalid_session_id",
+        )
+    return name
 
 
 def _held(key: KeyState, episode: str, epoch: int) -> KeyState:

@@ -53,6 +53,7 @@ def encode_turn(
     weight_version: int,
     now: float,
     weight_version_end: int | None = None,
+    turn_type: str = "main",
 ) -> bytes:
     """The msgpack turn record of docs/internals.md; JSON fields stay bytes.
 
@@ -81,6 +82,8 @@ def encode_turn(
             "weight_version_end": weight_version
             if weight_version_end is None
             else weight_version_end,
+            # "main", or "side" (X-Turn-Type: heartbeats, memory flushes; left out of training).
+            "turn_type": turn_type,
             # Group sampling (G > 1): samples 1..G-1 of the same call; absent when G = 1.
             **({"extra_samples": _samples(record.extra_samples)} if record.extra_samples else {}),
         },

@@ -33,6 +33,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/rl/start_session", session_api.start_session)
     app.router.add_post("/rl/set_reward", session_api.set_reward)
     app.router.add_post("/rl/end_session", session_api.end_session)
+    app.router.add_post("/rl/keys", session_api.issue_key)
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)

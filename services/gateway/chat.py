@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
@@ -14,6 +14,7 @@ from aiohttp import web
 from protos import dataproxy_pb2
 from services.gateway.auth import require_session_key
 from services.gateway.backends import BACKENDS, SETTINGS
+from services.gateway.header_mode import TurnTags, body_tags, turn_tags
 from services.gateway.http_errors import JSON_CONTENT_TYPE, sse_error_event
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.runtime.errors import (
@@ -50,6 +51,8 @@ class ChatCall:
 
     model: str
     stream: bool
+    # OpenClaw-RL's body keys session_id / turn_type / session_done (headers are merged later).
+    tags: TurnTags = field(default_factory=TurnTags)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +67,13 @@ class Turn:
     deadline: float
     # Record the turn under this id (the id the client saw); empty: the completion id.
     interaction_id: str = ""
+    # OpenClaw-RL's session headers (services/gateway/header_mode.py).
+    tags: TurnTags = field(default_factory=TurnTags)
+
+    @property
+    def route_key(self) -> str:
+        """What worker affinity follows: the key, or the key's named session."""
+        return f"{self.digest}/{self.tags.session_id}" if self.tags.session_id else self.digest
 
     def remaining_s(self) -> float:
         """The budget left, or UpstreamTimeout when it is spent."""
@@ -99,7 +109,7 @@ def parse_chat_body(raw: bytes) -> ChatCall:
         stream = False
     if not isinstance(stream, bool):
         raise InvalidRequest("`stream` must be true or false")
-    return ChatCall(model=model, stream=stream)
+    return ChatCall(model=model, stream=stream, tags=body_tags(body))
 
 
 def _request_id(request: web.Request) -> str:
@@ -119,6 +129,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body=raw,
         request_id=_request_id(request),
         deadline=time.monotonic() + settings.request_timeout_s,
+        tags=turn_tags(request.headers, call.tags),
     )
     if call.stream:
         return await _stream(request, turn)
@@ -148,7 +159,7 @@ class Relay:
         choice = await choose_worker(
             self.backends.router,
             self.cache,
-            digest=turn.digest,
+            digest=turn.route_key,
             model=turn.model,
             timeout_s=min(self.rpc_timeout_s, turn.remaining_s()),
             avoid_worker_id=self.avoid_worker_id,
@@ -159,6 +170,9 @@ class Relay:
             body_json=turn.body,
             request_id=turn.request_id,
             interaction_id=turn.interaction_id,
+            session_id=turn.tags.session_id,
+            turn_type=turn.tags.turn_type,
+            session_done=turn.tags.session_done,
         )
         self.worker_address = choice.address
         return choice, request
@@ -167,7 +181,7 @@ class Relay:
         """True (once) when `error` says the worker was unreachable: the next route avoids it."""
         if error.code != WORKER_UNAVAILABLE_CODE or self.rerouted:
             return False
-        self.cache.drop(self.turn.digest, self.turn.model)
+        self.cache.drop(self.turn.route_key, self.turn.model)
         self.avoid_worker_id = choice.worker_id
         self.rerouted = True
         log.warning("worker_unreachable_rerouting", worker_id=choice.worker_id)

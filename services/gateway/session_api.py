@@ -1,4 +1,4 @@
-"""The AReaL-compatible session API: /rl/start_session, /rl/set_reward, /rl/end_session."""
+"""The AReaL-compatible session API (/rl/start_session, set_reward, end_session) and /rl/keys."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from aiohttp import web
 from protos import dataproxy_pb2
 from services.gateway.auth import require_admin_key, require_session_key
 from services.gateway.backends import BACKENDS, SETTINGS
+from services.gateway.header_mode import SESSION_ID_HEADER
 from services.gateway.http_errors import json_response
 from services.runtime.errors import InvalidRequest, from_rpc_error
 from services.runtime.keys import constant_time_equals, key_digest, looks_like_session_key
@@ -161,7 +162,7 @@ async def set_reward(request: web.Request) -> web.Response:
         key_digest=key_digest(key),
         reward=call.reward,
         interaction_id=call.interaction_id,
-        session_id=call.session_id,
+        session_id=call.session_id or request.headers.get(SESSION_ID_HEADER, "").strip(),
     )
     try:
         response = await request.app[BACKENDS].dataproxy.SetReward(
@@ -176,7 +177,11 @@ async def end_session(request: web.Request) -> web.Response:
     """POST /rl/end_session (session key): end the episode and publish its trajectory."""
     settings = request.app[SETTINGS]
     key = require_session_key(request.headers, settings.admin_key)
-    rpc_request = dataproxy_pb2.EndSessionRequest(key_digest=key_digest(key))
+    body = _json_object(await request.read())
+    session_id = _optional_str(body, "session_id") or request.headers.get(SESSION_ID_HEADER, "")
+    rpc_request = dataproxy_pb2.EndSessionRequest(
+        key_digest=key_digest(key), session_id=session_id.strip()
+    )
     try:
         response = await request.app[BACKENDS].dataproxy.EndSession(
             rpc_request, timeout=settings.end_session_timeout_s
@@ -190,4 +195,27 @@ async def end_session(request: web.Request) -> web.Response:
             "trajectory_id": response.trajectory_id,
             "interaction_count": response.interaction_count,
         }
+    )
+
+
+async def issue_key(request: web.Request) -> web.Response:
+    """POST /rl/keys (admin key): a long-lived header-mode key (X-Session-Id names episodes)."""
+    settings = request.app[SETTINGS]
+    require_admin_key(request.headers, settings.admin_key)
+    body = _json_object(await request.read())
+    mode = _optional_str(body, "mode") or "header"
+    if mode != "header":
+        raise InvalidRequest(
+            '`mode` must be "header" (per-episode keys come from /rl/start_session)',
+            code="invalid_key_mode",
+        )
+    rpc_request = dataproxy_pb2.IssueKeyRequest(mode=mode, task_id=_optional_str(body, "task_id"))
+    try:
+        response = await request.app[BACKENDS].dataproxy.IssueKey(
+            rpc_request, timeout=settings.rpc_timeout_s
+        )
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, hop="dataproxy") from None
+    return json_response(
+        {"api_key": response.api_key, "key_id": response.key_id, "mode": response.mode}
     )

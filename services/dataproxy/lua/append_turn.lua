@@ -1,12 +1,37 @@
--- Appends one completed turn to the key's active episode, if it is still that episode, and
--- pushes the episode's idle deadline forward.
+-- Ends a turn in one round trip: appends it to its episode if that is still the active one
+-- (same epoch), pushes the episode's idle deadline forward, and releases the turn's in-flight
+-- lease. The record says which weight version the turn ended at; if the version moved since
+-- the caller encoded it, nothing is done and the caller re-encodes with the version returned.
 -- KEYS[1] key hash, KEYS[2] episode hash, KEYS[3] turns list, KEYS[4] interaction index,
--- KEYS[5] idle zset
--- ARGV: episode, epoch, interaction_id, msgpack turn record, now, idle deadline, idle member
--- Returns {status, index}: ok | duplicate (a retried append that already landed) | ended.
-local key = redis.call('HMGET', KEYS[1], 'state', 'episode', 'epoch')
-if key[1] ~= 'active' or key[2] ~= ARGV[1] or key[3] ~= ARGV[2] then
+-- KEYS[5] idle zset, KEYS[6] in-flight zset, KEYS[7] weight version
+-- ARGV: episode, epoch, interaction_id, msgpack turn record, now, idle deadline, idle member,
+-- lease token ('' none), the record's weight_version_end (-1: not checked),
+-- mode ('header': the episode hash says whether it is active; else the key hash)
+-- Returns {status, index or version}: ok | duplicate (a retried append that already landed) |
+-- ended | version (the weight version is now the second value; nothing was done).
+local active
+if ARGV[10] == 'header' then
+  local ep = redis.call('HMGET', KEYS[2], 'state', 'epoch')
+  active = ep[1] == 'active' and ep[2] == ARGV[2]
+else
+  local key = redis.call('HMGET', KEYS[1], 'state', 'episode', 'epoch')
+  active = key[1] == 'active' and key[2] == ARGV[1] and key[3] == ARGV[2]
+end
+if not active then
+  if ARGV[8] ~= '' then
+    redis.call('ZREM', KEYS[6], ARGV[8])
+  end
   return {'ended', -1}
+end
+local expected = tonumber(ARGV[9])
+if expected >= 0 then
+  local version = tonumber(redis.call('GET', KEYS[7]) or '0')
+  if version ~= expected then
+    return {'version', version}
+  end
+end
+if ARGV[8] ~= '' then
+  redis.call('ZREM', KEYS[6], ARGV[8])
 end
 local existing = redis.call('HGET', KEYS[4], ARGV[3])
 if existing then

@@ -1,10 +1,34 @@
--- Admits a turn unless submission is paused, registering its in-flight lease.
--- KEYS[1] paused flag, KEYS[2] in-flight zset (token → lease deadline), KEYS[3] weight version
--- ARGV: token, lease deadline, now
--- Returns {status, weight_version}: ok | paused.
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {'paused', 0}
+-- Starts a turn in one round trip: resolves the key to its episode, refuses while submission
+-- is paused, registers the turn's in-flight lease and reads the weight version it is stamped
+-- with. A header-mode key's episode is the one its session pointer names.
+-- KEYS[1] key hash, KEYS[2] paused flag, KEYS[3] in-flight zset (token → lease deadline),
+-- KEYS[4] weight version, KEYS[5] the session pointer hash (header mode; unused otherwise)
+-- ARGV: token, lease deadline, now, session id ('' when none)
+-- Returns {status, key_id, episode, epoch, weight_version, mode}: ok | unknown (no such key) |
+-- not_active (a per-episode key between episodes) | needs_session (a header-mode key without
+-- a session id) | new (header mode: the session has no active episode; the 4th value is how
+-- many episodes it had) | paused.
+local key = redis.call('HMGET', KEYS[1], 'key_id', 'state', 'episode', 'epoch', 'mode')
+if not key[1] then
+  return {'unknown', '', '', 0, 0, ''}
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
-redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[1])
-return {'ok', tonumber(redis.call('GET', KEYS[3]) or '0')}
+local mode = key[5] or 'key'
+local episode, epoch = key[3] or '', tonumber(key[4] or '0')
+if mode == 'header' then
+  if ARGV[4] == '' then
+    return {'needs_session', key[1], '', 0, 0, mode}
+  end
+  local session = redis.call('HMGET', KEYS[5], 'episode', 'epoch', 'count')
+  if not session[1] or session[1] == '' then
+    return {'new', key[1], '', tonumber(session[3] or '0'), 0, mode}
+  end
+  episode, epoch = session[1], tonumber(session[2] or '0')
+elseif key[2] ~= 'active' then
+  return {'not_active', key[1], '', 0, 0, mode}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {'paused', key[1], episode, epoch, 0, mode}
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
+redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[1])
+return {'ok', key[1], episode, epoch, tonumber(redis.call('GET', KEYS[4]) or '0'), mode}

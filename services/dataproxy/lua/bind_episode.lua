@@ -1,23 +1,42 @@
--- Binds new active episodes, if capacity allows: one key ("new" or "next") or a group of new
--- keys (all or none). Checking and taking capacity happen here, atomically.
+-- Binds new active episodes, if capacity allows: one key ("new" or "next"), a group of new
+-- keys (all or none), or ("header") one more episode of a header-mode key, named by its
+-- session. Checking and taking capacity happen here, atomically.
 -- KEYS[1] stats hash, KEYS[2] capacity hash, KEYS[3] weight version, KEYS[4] idle zset,
--- KEYS[5] group hash (unused without a group), then per member: key hash, episode hash.
+-- KEYS[5] group hash (unused without a group) or, in header mode, the session pointer hash,
+-- then per member: key hash, episode hash.
 -- ARGV[1] mode, ARGV[2] now, ARGV[3] max_head_offpolicyness (-1: no staleness bound),
 -- ARGV[4] batch_size, ARGV[5] idle timeout s, ARGV[6] group_id ('' = none), ARGV[7] group
 -- size, ARGV[8] ttl_s of the group hash, then per member: key_id, task_id, episode,
--- trajectory_id, digest.
--- Returns {status, epoch of the first member}: ok | exists (new: the key hash is taken) |
--- unknown | busy | full (no capacity; the second value is the capacity left).
--- A retry of a call that already succeeded finds its own episode bound and returns ok.
+-- trajectory_id, digest, session_id.
+-- Returns {status, epoch of the first member}: ok | exists (new: the key hash is taken;
+-- header: the episode name is taken) | unknown | busy | full (no capacity; the second value
+-- is the capacity left).
+-- A retry of a call that already succeeded finds its own episode bound and returns ok (in
+-- header mode: any active episode of the session, bound by a concurrent first call).
 local n = (#KEYS - 5) / 2
 local now = tonumber(ARGV[2])
-local first = redis.call('HMGET', KEYS[6], 'state', 'episode', 'epoch')
-if first[1] == 'active' and first[2] == ARGV[11] then
-  return {'ok', tonumber(first[3])}
+local header = ARGV[1] == 'header'
+if header then
+  local session = redis.call('HMGET', KEYS[5], 'episode', 'epoch')
+  if session[1] and session[1] ~= '' then
+    return {'ok', tonumber(session[2])}
+  end
+else
+  local first = redis.call('HMGET', KEYS[6], 'state', 'episode', 'epoch')
+  if first[1] == 'active' and first[2] == ARGV[11] then
+    return {'ok', tonumber(first[3])}
+  end
 end
 for i = 1, n do
   local state = redis.call('HGET', KEYS[4 + 2 * i], 'state')
-  if ARGV[1] == 'new' then
+  if header then
+    if redis.call('HGET', KEYS[4 + 2 * i], 'mode') ~= 'header' then
+      return {'unknown', 0}
+    end
+    if redis.call('EXISTS', KEYS[5 + 2 * i]) == 1 then
+      return {'exists', 0}
+    end
+  elseif ARGV[1] == 'new' then
     if state then
       return {'exists', 0}
     end
@@ -56,17 +75,23 @@ local deadline = now + tonumber(ARGV[5])
 local first_epoch = 0
 for i = 1, n do
   local key_hash, ep_hash = KEYS[4 + 2 * i], KEYS[5 + 2 * i]
-  local base = 8 + 5 * (i - 1)
+  local base = 8 + 6 * (i - 1)
   local epoch = redis.call('HINCRBY', key_hash, 'epoch', 1)
   if i == 1 then
     first_epoch = epoch
   end
-  redis.call('HSET', key_hash, 'key_id', ARGV[base + 1], 'task_id', ARGV[base + 2],
-    'state', 'active', 'episode', ARGV[base + 3])
+  if header then
+    redis.call('HSET', KEYS[5], 'episode', ARGV[base + 3], 'epoch', epoch)
+    redis.call('HINCRBY', KEYS[5], 'count', 1)
+    redis.call('PERSIST', KEYS[5])
+  else
+    redis.call('HSET', key_hash, 'key_id', ARGV[base + 1], 'task_id', ARGV[base + 2],
+      'state', 'active', 'episode', ARGV[base + 3])
+  end
   if ARGV[1] == 'new' then
     redis.call('HSET', key_hash, 'created_at', ARGV[2])
   end
-  redis.call('HSET', ep_hash, 'session_id', ARGV[base + 3], 'task_id', ARGV[base + 2],
+  redis.call('HSET', ep_hash, 'session_id', ARGV[base + 6], 'task_id', ARGV[base + 2],
     'epoch', epoch, 'state', 'active', 'trajectory_id', ARGV[base + 4], 'started_at', ARGV[2],
     'last_active_at', ARGV[2], 'turns', 0, 'last_interaction', '', 'group_id', ARGV[6],
     'group_size', tonumber(ARGV[7]))

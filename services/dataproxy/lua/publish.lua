@@ -3,12 +3,16 @@
 -- stored. A held episode (`ended_awaiting_reward`) is published later by this same script.
 -- KEYS[1] key hash, KEYS[2] episode hash, KEYS[3] turns, KEYS[4] rewards, KEYS[5] index,
 -- KEYS[6] trajectories stream, KEYS[7] stats hash, KEYS[8] idle zset, KEYS[9] awaiting zset,
--- KEYS[10] trajectory's group record, KEYS[11] group hash (unused without a group)
+-- KEYS[10] trajectory's group record, KEYS[11] group hash (unused without a group),
+-- KEYS[12] the session pointer hash (header mode; unused otherwise)
 -- ARGV[1] episode, ARGV[2] epoch, ARGV[3] expected turn count, ARGV[4] trajectory_id,
 -- ARGV[5] codec, ARGV[6] data ('' when the caller wants a hold), ARGV[7] now,
 -- ARGV[8] end_reason, ARGV[9] ttl_s of ended records, ARGV[10] zset member,
 -- ARGV[11] interactions, ARGV[12] joined interactions, ARGV[13] hold deadline (0: publish),
--- ARGV[14] group_id, ARGV[15] group_size
+-- ARGV[14] group_id, ARGV[15] group_size, ARGV[16] mode ('header': the episode hash says
+-- whether it is active, and ending it clears the session pointer; else the key hash, which
+-- also remembers this last publication: last_episode, last_status, last_trajectory_id,
+-- last_stream_id, last_turns, last_ended_at, so a retried end_session finds it)
 -- Returns {status, stream_id, trajectory_id, turns}: published | empty (both also for a
 -- retry) | held | missing | stale (not the key's active episode) | retry (re-read: a turn or
 -- a reward landed since the caller read the episode).
@@ -29,11 +33,33 @@ if held then
   if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then
     return {'stale', '', '', 0}
   end
+elseif ARGV[16] == 'header' then
+  if ep_state ~= 'active' or redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then
+    return {'stale', '', '', 0}
+  end
 else
   local key = redis.call('HMGET', KEYS[1], 'state', 'episode', 'epoch')
   if ep_state ~= 'active' or key[1] ~= 'active' or key[2] ~= ARGV[1] or key[3] ~= ARGV[2] then
     return {'stale', '', '', 0}
   end
+end
+-- Unbinds the episode from its key (or its session) and remembers how it ended.
+local function unbind(status, stream_id, trajectory_id, turns, ended_at)
+  if ARGV[16] == 'header' then
+    if redis.call('HGET', KEYS[12], 'episode') == ARGV[1] then
+      redis.call('HSET', KEYS[12], 'episode', '', 'last', ARGV[1])
+      redis.call('EXPIRE', KEYS[12], tonumber(ARGV[9]))
+    end
+    return
+  end
+  if status == 'held' then
+    redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '', 'held', ARGV[1])
+  else
+    redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '')
+  end
+  redis.call('HSET', KEYS[1], 'last_episode', ARGV[1], 'last_status', status,
+    'last_trajectory_id', trajectory_id, 'last_stream_id', stream_id, 'last_turns', turns,
+    'last_ended_at', ended_at)
 end
 local turns = redis.call('LLEN', KEYS[3])
 if turns ~= tonumber(ARGV[3]) then
@@ -47,7 +73,7 @@ if hold_deadline > 0 and not held and turns > 0 then
   end
   redis.call('HSET', KEYS[2], 'state', 'ended_awaiting_reward', 'ended_at', ARGV[7],
     'end_reason', ARGV[8])
-  redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '', 'held', ARGV[1])
+  unbind('held', '', ARGV[4], turns, ARGV[7])
   redis.call('ZREM', KEYS[8], ARGV[10])
   redis.call('ZADD', KEYS[9], hold_deadline, ARGV[10])
   return {'held', '', ARGV[4], turns}
@@ -90,8 +116,12 @@ if held then
   if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then
     redis.call('HDEL', KEYS[1], 'held')
   end
+  if redis.call('HGET', KEYS[1], 'last_episode') == ARGV[1] then
+    redis.call('HSET', KEYS[1], 'last_status', status, 'last_stream_id', stream_id,
+      'last_trajectory_id', trajectory_id)
+  end
 else
-  redis.call('HSET', KEYS[1], 'state', 'idle', 'episode', '')
+  unbind(status, stream_id, trajectory_id, turns, ended_at)
 end
 redis.call('ZREM', KEYS[8], ARGV[10])
 redis.call('ZREM', KEYS[9], ARGV[10])
