@@ -98,11 +98,18 @@ def to_tensors(
     turn_discount: float = 1.0,
     drop_retry_orphans: bool = False,
     as_numpy: bool = False,
+    include_side_turns: bool = False,
 ) -> TrainingTensors:
-    """Training rows: one per interaction (`individual`) or per exactly-joined chain (`concat`)."""
+    """Training rows: one per interaction (`individual`) or per exactly-joined chain (`concat`).
+
+    Side turns (`turn_type == "side"`: heartbeats, memory flushes) are left out unless
+    `include_side_turns`.
+    """
     if style not in ("individual", "concat"):
         raise ValueError(f"style must be 'individual' or 'concat', not {style!r}")
-    interactions = list(trajectory.interactions)
+    interactions = [
+        i for i in trajectory.interactions if include_side_turns or i.turn_type != "side"
+    ]
     dropped: list[str] = []
     if drop_retry_orphans:
         interactions, dropped = retry_orphans_dropped(interactions)

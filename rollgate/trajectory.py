@@ -79,6 +79,8 @@ class Interaction:
     reward_set: bool
     # The weight version when the turn finished (differs only if weights changed unpaused).
     weight_version_end: int = 0
+    # "main", or "side" (X-Turn-Type: heartbeats, memory flushes); to_tensors leaves side out.
+    turn_type: str = "main"
     # Group sampling (G > 1): samples 1..G-1 of this call; empty when G = 1.
     samples: tuple[Sample, ...] = ()
 
@@ -222,6 +224,7 @@ def _interaction(raw: Mapping[str, Any]) -> Interaction:
         reward=float(raw.get("reward", 0.0)),
         reward_set=bool(raw.get("reward_set", False)),
         weight_version_end=int(raw.get("weight_version_end", 0) or 0),
+        turn_type=str(raw.get("turn_type", "main") or "main"),
         samples=tuple(_sample(item) for item in raw.get("samples") or ()),
     )
 

@@ -198,6 +198,8 @@ def _interaction(
             record.get("weight_version_end", record.get("weight_version", 0)) or 0
         ),
         "exact_tokens": turn.exact,
+        # "main", or "side" (X-Turn-Type): side turns are recorded but left out of training.
+        "turn_type": str(record.get("turn_type", "main") or "main"),
         "length_mismatch": bool(record.get("length_mismatch", False)),
         "reward": float(reward) if reward is not None else 0.0,
         "reward_set": reward is not None,
