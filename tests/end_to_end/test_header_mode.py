@@ -1,0 +1,79 @@
+"""Header mode across real processes: one admin-issued key, OpenClaw-RL's headers, several
+episodes with no start_session or refresh, each published exactly once (by X-Session-Done,
+by body session_done, or by the idle reaper)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollgate.stack import Stack
+from tests.end_to_end.test_lifecycle import _stack, published
+from tests.end_to_end.test_walkthrough import chat_body
+
+
+@pytest.fixture(scope="module")
+def claw_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose episodes go idle after 1.5 s, swept every 0.2 s."""
+    env = {"ROLLGATE_SESSION_IDLE_TIMEOUT_S": "1.5", "ROLLGATE_REAPER_INTERVAL_S": "0.2"}
+    with _stack(redis_url, Path(tmp_path_factory.mktemp("claw")), **env) as running:
+        yield running
+
+
+def post(
+    stack: Stack, path: str, body: Any, key: str, headers: dict[str, str]
+) -> tuple[int, bytes]:
+    url = urllib.parse.urlsplit(stack.gateway_url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+    all_headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}", **headers}
+    conn.request("POST", path, body=json.dumps(body), headers=all_headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def test_several_header_mode_episodes_are_published_exactly_once_each(claw_stack: Stack) -> None:
+    before = len(published(claw_stack))
+    status, raw = post(claw_stack, "/rl/keys", {"task_id": "claw"}, claw_stack.config.admin_key, {})
+    assert status == 200, raw
+    key = json.loads(raw)["api_key"]
+    chat = "/v1/chat/completions"
+
+    for n in range(3):  # ended by X-Session-Done
+        sid = f"done-{n}"
+        main = {"X-Session-Id": sid, "X-Turn-Type": "main"}
+        assert post(claw_stack, chat, chat_body("hi", stream=True), key, main)[0] == 200
+        side = {"X-Session-Id": sid, "X-Turn-Type": "side"}
+        assert post(claw_stack, chat, chat_body("HEARTBEAT"), key, side)[0] == 200
+        done = {**main, "X-Session-Done": "true"}
+        assert post(claw_stack, chat, chat_body("bye"), key, done)[0] == 200
+    body = chat_body("all in the body", session_id="body-0", turn_type="main", session_done=True)
+    assert post(claw_stack, chat, body, key, {})[0] == 200
+    # Never ended by the client: the idle reaper publishes it.
+    assert post(claw_stack, chat, chat_body("left"), key, {"X-Session-Id": "idle-0"})[0] == 200
+    status, raw = post(claw_stack, chat, chat_body("no id"), key, {})
+    assert status == 400 and b"X-Session-Id" in raw
+
+    deadline = time.monotonic() + 20
+    while len(published(claw_stack)) - before < 5:
+        assert time.monotonic() < deadline, "the idle session was never published"
+        time.sleep(0.1)
+    time.sleep(0.6)  # a few more reaper sweeps: still nothing published twice
+    trajectories = published(claw_stack)[before:]
+    by_session = {t["session_id"]: t for t in trajectories}
+    assert len(trajectories) == 5 and len(by_session) == 5
+    for n in range(3):
+        t = by_session[f"done-{n}"]
+        assert t["end_reason"] == "session_done"
+        assert [i["turn_type"] for i in t["interactions"]] == ["main", "side", "main"]
+    assert by_session["body-0"]["end_reason"] == "session_done"
+    assert by_session["idle-0"]["end_reason"] == "idle"
+    assert {t["task_id"] for t in trajectories} == {"claw"}
