@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollgate.redis_server import RedisServer, free_port
-from services.runtime.config import RollgateConfig, settings_env, worker_env
+from services.runtime.config import SERVICES, RollgateConfig, settings_env, worker_env
 
 GRPC_SERVICES = {
     "router": "rollgate.v1.Router",
@@ -140,7 +140,9 @@ class Stack:
         return self.services["dataproxy"].address
 
     def _env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLGATE_")}
+        # The user's ROLLGATE_* settings (e.g. ROLLGATE_REFRESH_TIMEOUT_S) reach every service;
+        # what the stack wires itself (addresses, Redis, keys, ids) is set below and wins.
+        env = dict(os.environ)
         env.update(self.config.extra_env)
         env.update(
             ROLLGATE_REDIS_URL=self.redis_url,
@@ -154,7 +156,7 @@ class Stack:
 
     def _service_env(self, service: str) -> dict[str, str]:
         """The configuration file's variables for a service (addresses are the stack's own)."""
-        if self.config.file is None:
+        if self.config.file is None or service not in SERVICES:
             return {}
         env = settings_env(self.config.file, service, upstream=None) if service != "worker" else {}
         for name in ("ROLLGATE_ROUTER_ADDR", "ROLLGATE_DATAPROXY_ADDR", "ROLLGATE_REDIS_URL"):

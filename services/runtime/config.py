@@ -86,6 +86,11 @@ class DataProxyConfig:
 
     address: str = "127.0.0.1:50052"
     turn_timeout_s: float | None = None
+    # Lifecycle (docs/lifecycle.md); None keeps the dataproxy's default.
+    refresh_timeout_s: float | None = None
+    session_idle_timeout_s: float | None = None
+    pause_wait_s: float | None = None
+    late_reward_timeout_s: float | None = None
     trainer_key_var: str = ""
     # Resolved from `trainer_key_var` at load time; never in repr.
     trainer_key: str = field(default="", repr=False)
@@ -427,6 +432,10 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
         dataproxy=DataProxyConfig(
             address=dataproxy.string("address", "127.0.0.1:50052"),
             turn_timeout_s=dataproxy.number("turn_timeout_s"),
+            refresh_timeout_s=dataproxy.number("refresh_timeout_s"),
+            session_idle_timeout_s=dataproxy.number("session_idle_timeout_s"),
+            pause_wait_s=dataproxy.number("pause_wait_s"),
+            late_reward_timeout_s=dataproxy.number("late_reward_timeout_s"),
             trainer_key_var=trainer_key_var,
             trainer_key=_resolve(trainer_key_var, environ, "dataproxy.trainer_key"),
         ),
@@ -660,6 +669,10 @@ def settings_env(
         _put(env, "ROLLGATE_HEARTBEAT_INTERVAL_S", config.router.heartbeat_interval_s)
     elif service == "dataproxy":
         _put(env, "ROLLGATE_TURN_TIMEOUT_S", config.dataproxy.turn_timeout_s)
+        _put(env, "ROLLGATE_REFRESH_TIMEOUT_S", config.dataproxy.refresh_timeout_s)
+        _put(env, "ROLLGATE_SESSION_IDLE_TIMEOUT_S", config.dataproxy.session_idle_timeout_s)
+        _put(env, "ROLLGATE_PAUSE_WAIT_S", config.dataproxy.pause_wait_s)
+        _put(env, "ROLLGATE_LATE_REWARD_TIMEOUT_S", config.dataproxy.late_reward_timeout_s)
         _put(env, "ROLLGATE_TRAINER_KEY", config.dataproxy.trainer_key)
         _put(env, "ROLLGATE_BATCH_SIZE", config.rollout.batch_size)
         _put(env, "ROLLGATE_MAX_HEAD_OFFPOLICYNESS", config.rollout.max_head_offpolicyness)
