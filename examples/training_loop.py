@@ -28,7 +28,7 @@ from typing import Any
 from rollgate.tensors import Style, TrainingTensors, to_tensors
 from rollgate.trainer_client import PulledTrajectory, TrainerClient, TrainerError
 
-STACK_FILE = Path.home() / ".rollgate" / "stack.json"
+STACK_FILE = Path(os.environ.get("ROLLGATE_STATE_DIR") or Path.home() / ".rollgate") / "stack.json"
 DEFAULT_TRAINER_ADDR = "127.0.0.1:50052"
 
 

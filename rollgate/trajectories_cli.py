@@ -25,7 +25,13 @@ from rollgate.trajectory import (
 )
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-STACK_FILE = Path.home() / ".rollgate" / "stack.json"
+
+
+def stack_file(environ: Mapping[str, str]) -> Path:
+    """Where `rollgate up` wrote its stack.json: ROLLGATE_STATE_DIR, else ~/.rollgate."""
+    return Path(environ.get("ROLLGATE_STATE_DIR") or Path.home() / ".rollgate") / "stack.json"
+
+
 # One XREAD blocks at most this long, well under the socket timeout (redis-py#2807).
 _BLOCK_MS = 1000
 _SOCKET_TIMEOUT_S = 5.0
@@ -47,7 +53,7 @@ class TailOptions:
 
 def tail_main(argv: list[str]) -> int:
     """Runs `rollgate trajectories tail`; 0 on a normal end (count, timeout, Ctrl-C)."""
-    options = parse_args(argv, os.environ, STACK_FILE)
+    options = parse_args(argv, os.environ, stack_file(os.environ))
     client = redis.Redis.from_url(
         options.redis_url, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=5.0
     )
@@ -103,7 +109,7 @@ def _add_redis_args(
         or environ.get("REDIS_URL")
         or stack.get("redis_url")
         or DEFAULT_REDIS_URL,
-        help="default: ROLLGATE_REDIS_URL, REDIS_URL, ~/.rollgate/stack.json, local 6379",
+        help="default: ROLLGATE_REDIS_URL, REDIS_URL, $ROLLGATE_STATE_DIR/stack.json (~/.rollgate), local 6379",
     )
     parser.add_argument(
         "--prefix",
@@ -182,7 +188,7 @@ class ExportResult:
 
 def export_main(argv: list[str]) -> int:
     """Runs `rollgate trajectories export`; 0 when the file was written (even if empty)."""
-    options = parse_export_args(argv, os.environ, STACK_FILE)
+    options = parse_export_args(argv, os.environ, stack_file(os.environ))
     client = redis.Redis.from_url(
         options.redis_url, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=5.0
     )

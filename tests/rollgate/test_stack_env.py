@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rollgate.stack import Stack, StackConfig
@@ -42,3 +44,10 @@ def test_a_config_file_without_upstreams_still_configures_the_mock() -> None:
     stack = Stack(StackConfig(admin_key="rg-admin-stack", file=config))
     assert stack._service_env("http") == {}
     assert float(stack._service_env("dataproxy")["ROLLGATE_PAUSE_WAIT_S"]) == 3
+
+
+def test_tail_and_export_find_the_stack_file_of_a_custom_state_dir(tmp_path: Path) -> None:
+    from rollgate.trajectories_cli import stack_file
+
+    assert stack_file({"ROLLGATE_STATE_DIR": str(tmp_path)}) == tmp_path / "stack.json"
+    assert stack_file({}) == Path.home() / ".rollgate" / "stack.json"
