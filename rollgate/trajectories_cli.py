@@ -308,8 +308,15 @@ def _trimmed_since(client: redis.Redis, stream: str, cursor: str) -> bool:
         info: Any = client.xinfo_stream(stream)
     except redis.ResponseError:
         return False
-    deleted = _text(info.get("max-deleted-entry-id", b"0-0") or b"0-0")
-    return _id_key(deleted) > _id_key(cursor or "0-0")
+    if "max-deleted-entry-id" in info:  # Redis 7: exact
+        deleted = _text(info["max-deleted-entry-id"] or b"0-0")
+        return _id_key(deleted) > _id_key(cursor or "0-0")
+    # Redis 6.2 keeps no trace of trimmed ids: when even the cursor's own entry is gone, the
+    # entries after it may have gone too, so warn.
+    first = info.get("first-entry")
+    if not first or not cursor or cursor == "0-0":
+        return False
+    return _id_key(_text(first[0])) > _id_key(cursor)
 
 
 def _id_key(stream_id: str) -> tuple[int, int]:
