@@ -49,11 +49,21 @@ def sse_error_event(err: RollgateError) -> bytes:
     return b"data: " + orjson.dumps(err.to_json()) + b"\n\n"
 
 
-def _http_exception_response(exc: web.HTTPException) -> web.Response:
+def method_not_allowed_message(method: str, path: str, allowed: set[str] | frozenset[str]) -> str:
+    """What a 405 tells the client: the method it used, the path, and the methods to use instead."""
+    methods = sorted(allowed)
+    if not methods:
+        return f"{path} does not accept {method}"
+    return f"{path} does not accept {method}; use {' or '.join(methods)}"
+
+
+def _http_exception_response(request: web.Request, exc: web.HTTPException) -> web.Response:
     error_type, code = _HTTP_EXCEPTION_SHAPES.get(
         exc.status, ("invalid_request_error", "http_error")
     )
-    if exc.status == 413:
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        message = method_not_allowed_message(request.method, request.path, exc.allowed_methods)
+    elif exc.status == 413:
         message = f"request body too large: {exc.text}" if exc.text else "request body too large"
     elif exc.status == 404:
         message = "no such endpoint; see /v1/chat/completions, /v1/models and /rl/*"
@@ -84,7 +94,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _http_exception_response(exc)
+        return _http_exception_response(request, exc)
     except Exception:
         log.exception("unhandled_error", path=request.path, method=request.method)
         return error_response(InternalError("internal error; see the gateway logs"))

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from services.gateway.chat import parse_chat_body
-from services.gateway.http_errors import error_response
+from services.gateway.http_errors import error_response, method_not_allowed_message
 from services.gateway.session_api import parse_set_reward, parse_start_session
 from services.runtime.errors import InvalidRequest, TooManyRequests, Unavailable
 from tests.gateway.conftest import ADMIN_KEY, Gateway
@@ -93,6 +93,12 @@ async def test_wrong_method_is_405_json_with_allow(gateway_without_backends: Gat
         assert resp.headers["Allow"] == "POST"
         body = await resp.json()
     assert body["error"]["code"] == "method_not_allowed"
+    assert body["error"]["message"] == "/v1/chat/completions does not accept GET; use POST"
+
+
+def test_method_not_allowed_message_lists_every_allowed_method() -> None:
+    message = method_not_allowed_message("PUT", "/v1/x", {"POST", "GET"})
+    assert message == "/v1/x does not accept PUT; use GET or POST"
 
 
 @pytest.mark.parametrize(
