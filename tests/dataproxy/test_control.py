@@ -42,6 +42,7 @@ class Proxy:
     worker_address: str
     redis: aioredis.Redis
     keys: RedisKeys
+    mock: MockLLM
 
     async def start(self, **fields: Any) -> dataproxy_pb2.StartSessionResponse:
         reply: dataproxy_pb2.StartSessionResponse = await self.dataproxy.StartSession(
@@ -116,6 +117,7 @@ async def running_proxy(
             worker_address=f"127.0.0.1:{worker_server.port}",
             redis=redis,
             keys=RedisKeys(key_prefix),
+            mock=mock,
         )
 
 
@@ -147,9 +149,12 @@ async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_re
         paused = await pause
         assert paused.drained and paused.in_flight == 0
 
+        requests = proxy.mock.stats.requests
         waiting = asyncio.create_task(collect(proxy.chat(started.api_key, "waits")))
-        await asyncio.sleep(0.3)
-        assert not waiting.done()
+        # A window that proves the new turn does NOT start while paused: it neither finishes
+        # nor reaches the model.
+        done, _ = await asyncio.wait({waiting}, timeout=0.3)
+        assert not done and proxy.mock.stats.requests == requests
         await proxy.trainer.ResumeSubmission(
             trainer_pb2.ResumeSubmissionRequest(), metadata=AUTH, timeout=RPC_TIMEOUT_S
         )

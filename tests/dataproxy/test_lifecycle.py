@@ -15,9 +15,10 @@ from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import EpisodePolicy, SessionStore
+from services.dataproxy.turns import encode_turn
 from services.runtime.errors import Conflict, TooManyRequests, Unavailable
 from services.runtime.keys import key_digest, key_id_of
-from tests.dataproxy.test_sessions import ADMIN_KEY, chat, decode, stream_entries
+from tests.dataproxy.test_sessions import ADMIN_KEY, chat, decode, stream_entries, turn_record
 
 StoreFactory = Callable[..., SessionStore]
 
@@ -126,13 +127,16 @@ async def test_a_grant_makes_capacity_finite_and_each_start_takes_one(
 
 
 async def test_a_start_waiting_for_capacity_proceeds_when_a_grant_arrives(
-    make_store: StoreFactory, control: Control
+    make_store: StoreFactory, control: Control, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(refresh_timeout_s=10.0)
     await control.grant(0)
     waiting = asyncio.create_task(store.start(task_id="t", api_key=""))
-    await asyncio.sleep(0.2)
-    assert not waiting.done()
+    # The start took its session number: it is in the capacity wait.
+    await eventually(lambda: _exists(redis_client, keys.session_seq))
+    # A window that proves the start does NOT finish while there is no capacity.
+    done, _ = await asyncio.wait({waiting}, timeout=0.2)
+    assert not done
     await control.grant(1)
     async with asyncio.timeout(5):
         started = await waiting
@@ -166,13 +170,15 @@ async def test_refresh_timeout_publishes_the_old_episode_and_the_same_key_works_
 
 
 async def test_a_second_refresh_while_one_waits_for_capacity_gets_429_at_once(
-    make_store: StoreFactory, control: Control
+    make_store: StoreFactory, control: Control, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(refresh_timeout_s=5.0)
     await control.grant(1)
     started = await store.start(task_id="t", api_key="")
     waiting = asyncio.create_task(store.start(task_id="", api_key=started.api_key))
-    await asyncio.sleep(0.2)
+    # The refresh holds the marker and has ended the old episode: it waits for capacity.
+    digest = key_digest(started.api_key)
+    await eventually(lambda: _refresh_waiting(redis_client, keys, digest))
     began = time.monotonic()
     with pytest.raises(TooManyRequests) as caught:
         await store.start(task_id="", api_key=started.api_key)
@@ -193,7 +199,9 @@ async def test_a_waiting_refresh_keeps_its_short_lived_marker_alive(
     await control.grant(1)
     started = await store.start(task_id="t", api_key="")
     waiting = asyncio.create_task(store.start(task_id="", api_key=started.api_key))
-    await asyncio.sleep(1.0)  # more than three marker lifetimes
+    # A window that proves the marker does NOT expire while its holder lives: more than three
+    # marker lifetimes.
+    await asyncio.sleep(1.0)
     with pytest.raises(TooManyRequests):
         await store.start(task_id="", api_key=started.api_key)
     await control.grant(1)
@@ -211,6 +219,15 @@ async def test_a_dead_refreshers_marker_expires_and_the_key_refreshes_again(
     with pytest.raises(TooManyRequests):
         await store.start(task_id="", api_key=started.api_key)
     await eventually(lambda: _refreshed(store, started.api_key))
+
+
+async def _exists(redis: aioredis.Redis, name: str) -> bool:
+    return bool(await redis.exists(name))
+
+
+async def _refresh_waiting(redis: aioredis.Redis, keys: RedisKeys, digest: str) -> bool:
+    state = await redis.hget(keys.key(digest), "state")
+    return bool(await redis.exists(keys.refreshing(digest))) and state == b"idle"
 
 
 async def _refreshed(store: SessionStore, api_key: str) -> bool:
@@ -248,16 +265,45 @@ async def test_open_episodes_and_interaction_counters_follow_every_transition(
     store = make_store()
     a = await store.start(task_id="t", api_key="")
     b = await store.start(task_id="t", api_key="")
-    assert (await stats(redis_client, keys))["open_episodes"] == 2
-    await chat(store, a.api_key, "c1")
-    await chat(store, a.api_key, "c2")
+    c = await store.start(task_id="t", api_key="")
+    assert (await stats(redis_client, keys))["open_episodes"] == 3
+    # a: a1, a2 continuing a1 (joined), a3 a fresh prompt (not joined).
+    await chat_tokens(store, a.api_key, "a1", prompt=[1, 2, 3], output=[7, 8])
+    await chat_tokens(store, a.api_key, "a2", prompt=[1, 2, 3, 7, 8, 9], output=[10])
+    await chat_tokens(store, a.api_key, "a3", prompt=[4], output=[5])
+    # c: c1, c2 continuing c1 (joined).
+    await chat_tokens(store, c.api_key, "c1", prompt=[1], output=[2])
+    await chat_tokens(store, c.api_key, "c2", prompt=[1, 2, 3], output=[4])
     await store.end(key_digest(a.api_key))
     await store.end(key_digest(b.api_key))  # empty: not published
+    await store.end(key_digest(c.api_key))
     counters = await stats(redis_client, keys)
     assert counters["open_episodes"] == 0
-    assert counters["published"] == 1 and counters["empty_episodes"] == 1
-    assert counters["interactions"] == 2
-    assert 0.0 <= (await control.snapshot()).join_rate <= 1.0
+    assert counters["published"] == 2 and counters["empty_episodes"] == 1
+    assert counters["interactions"] == 5 and counters["joined"] == 2
+    # joined / (interactions - published): each episode's first interaction has no parent.
+    assert (await control.snapshot()).join_rate == pytest.approx(2 / (5 - 2))
+
+
+async def chat_tokens(
+    store: SessionStore, api_key: str, interaction_id: str, *, prompt: list[int], output: list[int]
+) -> None:
+    """Records one completed turn with these token ids on the key's active episode."""
+    episode = await store.active_episode(key_digest(api_key))
+    record = turn_record(interaction_id)
+    del record.prompt_token_ids[:], record.output_token_ids[:], record.output_logprobs[:]
+    record.prompt_token_ids.extend(prompt)
+    record.output_token_ids.extend(output)
+    record.output_logprobs.extend([-0.5] * len(output))
+    data = encode_turn(record, weight_version=episode.weight_version, now=time.time())
+    await store.append_turn(episode, interaction_id=interaction_id, record=data)
+
+
+async def _due(redis: aioredis.Redis, zset: str, member: str) -> bool:
+    """Whether `member`'s deadline in `zset` has passed (by the clock the reaper claims by)."""
+    deadline = await redis.zscore(zset, member)
+    assert deadline is not None, f"{member} has no deadline in {zset}"
+    return deadline <= time.time()
 
 
 # -- idle reaper ---------------------------------------------------------------------------
@@ -274,7 +320,7 @@ async def test_idle_episode_is_published_by_the_reaper_once_and_the_key_stays_us
     assert await redis_client.zscore(keys.idle, member) is not None
 
     reapers = [Reaper(store=store, interval_s=0.05) for _ in range(3)]
-    await asyncio.sleep(0.35)
+    await eventually(lambda: _due(redis_client, keys.idle, member))
     swept = await asyncio.gather(*(r.sweep() for r in reapers))
     assert sum(len(s.idle) for s in swept) >= 1
     entries = await stream_entries(redis_client, keys)
@@ -294,7 +340,6 @@ async def test_activity_pushes_the_idle_deadline_forward(
     started = await store.start(task_id="t", api_key="")
     member = f"{key_digest(started.api_key)}/{started.session_id}"
     before = await redis_client.zscore(keys.idle, member)
-    await asyncio.sleep(0.05)
     await chat(store, started.api_key, "c1")
     after = await redis_client.zscore(keys.idle, member)
     assert before is not None and after is not None and after > before
@@ -375,8 +420,11 @@ async def test_held_episode_is_published_with_reward_zero_after_the_timeout(
     store = make_store(late_reward_s=0.2)
     started = await store.start(task_id="t", api_key="")
     await chat(store, started.api_key, "c1")
-    await store.end(key_digest(started.api_key))
-    await asyncio.sleep(0.25)
+    digest = key_digest(started.api_key)
+    await store.end(digest)
+    await eventually(
+        lambda: _due(redis_client, keys.awaiting_reward, f"{digest}/{started.session_id}")
+    )
     swept = await Reaper(store=store).sweep()
     assert [p.status for p in swept.released] == ["published"]
     entries = await stream_entries(redis_client, keys)

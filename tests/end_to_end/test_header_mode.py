@@ -66,7 +66,8 @@ def test_several_header_mode_episodes_are_published_exactly_once_each(claw_stack
     while len(published(claw_stack)) - before < 5:
         assert time.monotonic() < deadline, "the idle session was never published"
         time.sleep(0.1)
-    time.sleep(0.6)  # a few more reaper sweeps: still nothing published twice
+    # A window that proves nothing is published twice: a few more reaper sweeps.
+    time.sleep(0.6)
     trajectories = published(claw_stack)[before:]
     by_session = {t["session_id"]: t for t in trajectories}
     assert len(trajectories) == 5 and len(by_session) == 5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from services.router.__main__ import serving as router_serving
 from services.router.settings import RouterSettings
 from services.runtime.errors import InvalidRequest
 from services.runtime.grpc_client import open_channel
+from services.runtime.keys import key_digest
 from services.worker.__main__ import serving as worker_serving
 from services.worker.settings import WorkerSettings
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings
@@ -131,6 +132,18 @@ async def _wait_ready(http: aiohttp.ClientSession, url: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _until(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def _refresh_waiting(c: Chain, digest: str) -> bool:
+    marker = await c.redis.exists(c.keys.refreshing(digest))
+    return bool(marker) and await c.redis.hget(c.keys.key(digest), "state") == b"idle"
+
+
 async def test_refresh_timeout_is_429_with_retry_after_and_the_same_key_works_after(
     chain: ChainFactory,
 ) -> None:
@@ -164,7 +177,8 @@ async def test_during_a_waiting_refresh_chat_is_503_and_another_refresh_is_429_a
         _, started, _ = await c.post("/rl/start_session", ADMIN_KEY, {})
         key = started["api_key"]
         waiting = asyncio.create_task(c.post("/rl/start_session", ADMIN_KEY, {"api_key": key}))
-        await asyncio.sleep(0.3)
+        # The refresh holds its marker and has ended the old episode: it waits for capacity.
+        await _until(lambda: _refresh_waiting(c, key_digest(key)))
         status, body, headers = await c.chat(key, "during")
         assert status == 503 and "Retry-After" in headers, body
         began = time.monotonic()
