@@ -109,6 +109,15 @@ def test_the_mock_llm_is_the_default_upstream(compose: dict[str, Any]) -> None:
             assert url == "${ROLLGATE_UPSTREAM_BASE_URL:-http://mock-llm:8000/v1}"
 
 
+def test_workers_default_to_the_vllm_kind_the_mock_speaks(compose: dict[str, Any]) -> None:
+    workers = [
+        s for s in rollgate_services(compose).values() if s["command"][0] == "services.worker"
+    ]
+    assert workers
+    for worker in workers:
+        assert worker["environment"]["ROLLGATE_UPSTREAM_KIND"] == "${ROLLGATE_UPSTREAM_KIND:-vllm}"
+
+
 def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies(
     compose: dict[str, Any],
 ) -> None:

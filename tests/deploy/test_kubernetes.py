@@ -296,6 +296,8 @@ def test_dev_workers_front_the_in_cluster_mock_llm(dev: list[Manifest]) -> None:
     services = {s["metadata"]["name"] for s in of_kind(dev, "Service")}
     host = env["ROLLGATE_UPSTREAM_BASE_URL"].split("//", 1)[1].split(":", 1)[0]
     assert host in services
+    # The mock speaks vLLM's token-id fields: kind vllm records exact token ids.
+    assert env["ROLLGATE_UPSTREAM_KIND"] == "vllm"
 
 
 def test_prod_autoscales_only_the_gateway_and_the_dataproxy(prod: list[Manifest]) -> None:
