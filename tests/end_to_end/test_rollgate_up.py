@@ -1,0 +1,95 @@
+"""`rollgate up` itself, as a user runs it: banner, generated admin key, Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from rollgate.redis_server import free_port
+
+ROLLGATE = str(Path(sys.executable).parent / "rollgate")
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    out: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def _read_until(lines: queue.Queue[str], marker: str, timeout_s: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise AssertionError(f"{marker!r} not printed in {timeout_s}s:\n{''.join(seen)}")
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
+    redis_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "ROLLGATE_ADMIN_KEY"}
+    env["REDIS_URL"] = redis_url
+    env["ROLLGATE_REDIS_PREFIX"] = f"rgup:{port}:"
+    proc = subprocess.Popen(
+        [ROLLGATE, "up", "--port", str(port), "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        # Ctrl-C goes to the whole foreground group in a terminal; here we signal `up` alone.
+        start_new_session=True,
+    )
+    try:
+        banner = "".join(_read_until(_lines(proc), "Ctrl-C stops everything", 90))
+        assert f"gateway http://127.0.0.1:{port}" in banner
+        assert "MOCK LLM" in banner
+        admin_key = next(
+            line.split(":", 1)[1].split()[0] for line in banner.splitlines() if "admin key" in line
+        )
+        assert admin_key.startswith("rg-admin-")
+        state = json.loads((tmp_path / "stack.json").read_text())
+        assert state["gateway_url"] == f"http://127.0.0.1:{port}"
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/rl/start_session",
+            data=b"{}",
+            headers={"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert json.loads(resp.read())["api_key"].startswith("sk-sess-")
+        trainer_port = int(state["trainer_address"].rsplit(":", 1)[1])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    assert code == 0
+    assert not _port_open(port), "the gateway still listens after Ctrl-C"
+    assert not _port_open(trainer_port), "the dataproxy still listens after Ctrl-C"
