@@ -1,0 +1,90 @@
+""".ci/run prepares what `make test` needs (Python >= 3.11, a working venv) and then runs
+exactly `make test`: run here with stand-ins for python3, apt-get and make on PATH."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CI_RUN = REPO / ".ci" / "run"
+RUN_TIMEOUT_S = 60.0
+
+# python3: the version in FAKE_VERSION; `-m venv DIR` works once apt-get installed a venv package.
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-c" ]; then
+  case "$2" in
+    *print*) echo "$FAKE_VERSION"; exit 0 ;;
+    *exit*) minor="${FAKE_VERSION#3.}"; [ "$minor" -ge 11 ]; exit $? ;;
+  esac
+fi
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then [ -e "$FAKE_STATE/venv-ok" ]; exit $?; fi
+exit 2
+"""
+FAKE_APT = """#!/bin/bash
+echo "$*" >> "$FAKE_STATE/apt.log"
+case "$*" in *install*-venv*) touch "$FAKE_STATE/venv-ok" ;; esac
+"""
+FAKE_MAKE = """#!/bin/bash
+echo "$*" >> "$FAKE_STATE/make.log"
+"""
+FAKE_ID = """#!/bin/bash
+echo 0
+"""
+
+
+def _run(tmp_path: Path, *, version: str, venv_ok: bool) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    state = tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, text in (
+        ("python3", FAKE_PYTHON),
+        ("apt-get", FAKE_APT),
+        ("make", FAKE_MAKE),
+        ("id", FAKE_ID),
+    ):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(0o755)
+    if venv_ok:
+        (state / "venv-ok").touch()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_VERSION=version, FAKE_STATE=str(state))
+    return subprocess.run(
+        ["bash", str(CI_RUN)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+
+
+def _log(tmp_path: Path, name: str) -> list[str]:
+    path = tmp_path / "state" / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_python_older_than_3_11_fails_with_a_clear_message_before_make(tmp_path: Path) -> None:
+    done = _run(tmp_path, version="3.10", venv_ok=True)
+    assert done.returncode != 0
+    assert "needs Python >= 3.11" in done.stderr and "3.10" in done.stderr
+    assert _log(tmp_path, "make.log") == []
+
+
+@pytest.mark.parametrize("venv_ok", [True, False])
+def test_a_broken_venv_is_fixed_with_apt_get_then_exactly_make_test_runs(
+    tmp_path: Path, venv_ok: bool
+) -> None:
+    done = _run(tmp_path, version="3.12", venv_ok=venv_ok)
+    assert done.returncode == 0, done.stderr
+    assert _log(tmp_path, "make.log") == ["test"]
+    installs = [line for line in _log(tmp_path, "apt.log") if "install" in line]
+    if venv_ok:
+        assert installs == []  # nothing to install
+    else:
+        assert installs == ["install -y -qq python3.12-venv"]
