@@ -21,9 +21,10 @@ from typing import Any
 import _fmt
 
 DEFAULT_TASK_ID = "demo-task"
-# A refresh may wait up to the gateway's refresh timeout (120 s by default) for capacity.
-REFRESH_TIMEOUT_S = 130.0
-START_TIMEOUT_S = 10.0
+# A start or refresh may wait up to the gateway's refresh timeout (ROLLGATE_REFRESH_TIMEOUT_S,
+# 120 s by default) for capacity; the client waits that long plus this margin.
+REFRESH_TIMEOUT_MARGIN_S = 10.0
+DEFAULT_TIMEOUT_S = 130.0
 SCRIPT_PATH = "examples/openclaw/start_session.py"
 
 
@@ -36,6 +37,7 @@ class Options:
     task_id: str
     api_key: str | None
     api_key_from_env: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
     def is_refresh(self) -> bool:
@@ -58,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a new RL session on the rollgate gateway, or refresh one "
         "(--api-key): the current episode is ended and published, the key keeps working.",
         epilog="Environment: ROLLGATE_GATEWAY_URL, ROLLGATE_ADMIN_KEY (or ADMIN_KEY), TASK_ID, "
-        "SESSION_API_KEY. On success, SESSION_API_KEY=… and SESSION_ID=… are written to stderr.",
+        "SESSION_API_KEY, ROLLGATE_REFRESH_TIMEOUT_S. On success, SESSION_API_KEY=… and "
+        "SESSION_ID=… are written to stderr.",
     )
     parser.add_argument(
         "gateway_url",
@@ -82,12 +85,50 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start a new session even if $SESSION_API_KEY is set",
     )
+    parser.add_argument(
+        "--timeout-s",
+        type=_positive_seconds,
+        default=None,
+        help="how long to wait for the answer; a start or refresh may wait for capacity "
+        "(default: $ROLLGATE_REFRESH_TIMEOUT_S + 10, else "
+        f"{DEFAULT_TIMEOUT_S:g})",
+    )
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def resolve_timeout_s(flag: float | None, environ: Mapping[str, str]) -> float:
+    """--timeout-s, else the gateway's refresh timeout ($ROLLGATE_REFRESH_TIMEOUT_S) + 10 s,
+    else 130 s; ValueError for an unusable $ROLLGATE_REFRESH_TIMEOUT_S."""
+    if flag is not None:
+        return flag
+    raw = environ.get("ROLLGATE_REFRESH_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        refresh_timeout_s = _positive_seconds(raw)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"ROLLGATE_REFRESH_TIMEOUT_S: {err}") from None
+    return refresh_timeout_s + REFRESH_TIMEOUT_MARGIN_S
 
 
 def parse_options(argv: Sequence[str], environ: Mapping[str, str]) -> Options:
     """Resolve flags, then environment, then defaults."""
-    args = build_parser().parse_args(list(argv))
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    try:
+        timeout = resolve_timeout_s(args.timeout_s, environ)
+    except ValueError as err:
+        parser.error(str(err))
     api_key: str | None = args.api_key
     from_env = False
     if not api_key and not args.new:
@@ -99,6 +140,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str]) -> Options:
         task_id=args.task_id or environ.get("TASK_ID") or DEFAULT_TASK_ID,
         api_key=api_key or None,
         api_key_from_env=from_env,
+        timeout_s=timeout,
     )
 
 
@@ -108,11 +150,6 @@ def request_body(task_id: str, api_key: str | None) -> dict[str, Any]:
     if api_key:
         body["api_key"] = api_key
     return body
-
-
-def timeout_s(is_refresh: bool) -> float:
-    """How long to wait for the answer: a refresh may wait for capacity."""
-    return REFRESH_TIMEOUT_S if is_refresh else START_TIMEOUT_S
 
 
 def refresh_command(gateway_url: str, api_key: str) -> str:
@@ -126,13 +163,19 @@ def openai_exports(gateway_url: str, api_key: str) -> list[str]:
 
 
 def call_start_session(
-    gateway_url: str, admin_key: str, task_id: str, api_key: str | None
+    gateway_url: str,
+    admin_key: str,
+    task_id: str,
+    api_key: str | None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[Session | None, _fmt.Reply]:
-    """POST /rl/start_session and print the exchange; the session is None on failure."""
+    """POST /rl/start_session (waiting up to `timeout_s`) and print the exchange; the session
+    is None on failure."""
     url = f"{gateway_url}/rl/start_session"
     body = request_body(task_id, api_key)
     _fmt.show_request("POST", url, admin_key)
-    reply = _fmt.post_json(url, body, admin_key, timeout_s(bool(api_key)))
+    reply = _fmt.post_json(url, body, admin_key, timeout_s)
     status, payload, _ = reply
     _fmt.show_response(status, payload)
     if status != 200 or not isinstance(payload, dict):
@@ -214,7 +257,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         _fmt.header("Start Session")
         _fmt.info("Requesting a new RL session (admin auth → gateway binds a new session key)")
     session, reply = call_start_session(
-        options.gateway_url, options.admin_key, options.task_id, options.api_key
+        options.gateway_url,
+        options.admin_key,
+        options.task_id,
+        options.api_key,
+        timeout_s=options.timeout_s,
     )
     if session is None:
         first, *hints = explain_failure(reply, options.is_refresh)

@@ -72,10 +72,42 @@ def test_body_carries_the_key_only_for_a_refresh(ss: ModuleType) -> None:
     assert ss.request_body("demo-task", KEY) == {"task_id": "demo-task", "api_key": KEY}
 
 
-def test_a_refresh_waits_longer_than_the_gateways_refresh_timeout(ss: ModuleType) -> None:
-    assert ss.timeout_s(True) == 130.0
-    assert ss.timeout_s(True) > 120.0
-    assert ss.timeout_s(False) == 10.0
+def test_the_wait_defaults_to_the_gateways_default_refresh_timeout_plus_ten(
+    ss: ModuleType,
+) -> None:
+    assert ss.parse_options([], {}).timeout_s == 130.0
+
+
+def test_the_wait_follows_the_refresh_timeout_from_the_environment(ss: ModuleType) -> None:
+    options = ss.parse_options(["--api-key", KEY], {"ROLLGATE_REFRESH_TIMEOUT_S": "300"})
+    assert options.timeout_s == 310.0
+
+
+def test_timeout_flag_wins_over_the_environment(ss: ModuleType) -> None:
+    options = ss.parse_options(["--timeout-s", "42.5"], {"ROLLGATE_REFRESH_TIMEOUT_S": "300"})
+    assert options.timeout_s == 42.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "fragment"),
+    [
+        (["--timeout-s", "0"], {}, "positive"),
+        (["--timeout-s", "soon"], {}, "not a number"),
+        ([], {"ROLLGATE_REFRESH_TIMEOUT_S": "-5"}, "ROLLGATE_REFRESH_TIMEOUT_S"),
+        ([], {"ROLLGATE_REFRESH_TIMEOUT_S": "two minutes"}, "ROLLGATE_REFRESH_TIMEOUT_S"),
+    ],
+)
+def test_an_unusable_timeout_is_refused_with_its_name(
+    ss: ModuleType,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    env: dict[str, str],
+    fragment: str,
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        ss.parse_options(argv, env)
+    assert exited.value.code == 2
+    assert fragment in capsys.readouterr().err
 
 
 def test_refresh_timeout_says_the_key_stays_valid_and_when_to_retry(ss: ModuleType) -> None:
