@@ -363,3 +363,42 @@ async def test_client_gone_mid_stream_cancels_the_upstream_call(stack: Stack) ->
         resp.close()
     await _wait_for_disconnects(stack.mock, before + 1)
     assert stack.mock.stats.streams_finished == 0
+
+
+async def test_the_client_sees_the_first_token_before_the_model_generates_the_last(
+    stack: Stack,
+) -> None:
+    """Streaming is end to end: gateway, dataproxy and worker relay each chunk as it comes,
+    proven by the mock's own progress counters when the first content chunk arrives."""
+    key = (await _start(stack))["api_key"]
+    # Each token after the first waits for this interval at the mock: a chain that buffered
+    # the stream would deliver its first chunk only after the last token was generated.
+    stack.mock.token_interval_s = 0.05
+    streamed_before = stack.mock.stats.tokens_streamed
+    finished_before = stack.mock.stats.streams_finished
+    at_first_content: tuple[int, int] | None = None
+    contents: list[str] = []
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions",
+        json=_chat_body("tell me something long enough for many tokens", stream=True),
+        headers=_auth(key),
+    ) as resp:
+        assert resp.status == 200
+        while (event := await resp.content.readuntil(b"\n\n")) != b"data: [DONE]\n\n":
+            assert event.startswith(b"data: "), event
+            choices = orjson.loads(event[len(b"data: ") :])["choices"]
+            content = choices[0]["delta"].get("content") if choices else None
+            if content and at_first_content is None:
+                at_first_content = (
+                    stack.mock.stats.tokens_streamed - streamed_before,
+                    stack.mock.stats.streams_finished - finished_before,
+                )
+            if content:
+                contents.append(content)
+    generated = stack.mock.stats.tokens_streamed - streamed_before
+    assert stack.mock.stats.streams_finished - finished_before == 1
+    assert len(contents) == generated > 2
+    assert at_first_content is not None
+    tokens_then, finished_then = at_first_content
+    assert finished_then == 0  # the upstream stream was still open
+    assert 1 <= tokens_then < generated  # and later tokens were not generated yet
