@@ -158,7 +158,7 @@ async def test_logprobs_ids_and_usage_are_kept_when_the_client_asked() -> None:
 
 
 async def test_denylisted_fields_never_reach_the_upstream() -> None:
-    client_fields = {name: "x" for name in DENYLIST}
+    client_fields: dict[str, Any] = {name: "x" for name in DENYLIST}
     client_fields["metadata"] = {"a": "b"}
     client_fields["extra_headers"] = {"X-Evil": "1"}
     async with mock_and_worker() as (mock, worker):
@@ -169,6 +169,52 @@ async def test_denylisted_fields_never_reach_the_upstream() -> None:
     assert sent["temperature"] == 0.5
     assert "X-Evil" not in headers
     assert "Authorization" not in headers
+
+
+# OpenClaw-RL's body keys (the gateway reads them) and the rest of the denylist, spelled out
+# here so that a name dropped from DENYLIST fails this test.
+OPENCLAW_RL_BODY_KEYS: dict[str, Any] = {
+    "session_id": "claw-1",
+    "turn_type": "side",
+    "session_done": True,
+}
+OTHER_DENIED_KEYS: dict[str, Any] = {
+    "store": True,
+    "api_base": "http://elsewhere/v1",
+    "base_url": "http://elsewhere/v1",
+    "api_key": "sk-client",
+    "extra_headers": {"X-Evil": "1"},
+    "extra_query": {"q": "1"},
+    "extra_body": {"x": 1},
+    "metadata": {"a": "b"},
+    "prompt_cache_key": "k",
+}
+
+
+def test_the_denylist_holds_every_openclaw_rl_body_key_and_the_redirecting_fields() -> None:
+    assert OPENCLAW_RL_BODY_KEYS.keys() | OTHER_DENIED_KEYS.keys() <= DENYLIST
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "openai"])
+@pytest.mark.parametrize("unary", [False, True])
+async def test_openclaw_rl_body_keys_never_reach_the_upstream(kind: str, unary: bool) -> None:
+    payload = body(stream=not unary, temperature=0.5, **OPENCLAW_RL_BODY_KEYS, **OTHER_DENIED_KEYS)
+    async with (
+        MockLLM(port=0, flavor=kind) as mock,
+        running_worker(mock.base_url, kind=kind) as worker,
+    ):
+        if unary:
+            reply = await worker.stub.Complete(
+                worker_pb2.GenerateRequest(body_json=payload), timeout=10
+            )
+            assert reply.record.finish_reason == "stop"
+        else:
+            _, record = await generate(worker.stub, payload)
+            assert record.finish_reason == "stop"
+        sent = mock.stats.last_body or {}
+    assert sent, "the upstream got no body"
+    assert not sent.keys() & (OPENCLAW_RL_BODY_KEYS.keys() | OTHER_DENIED_KEYS.keys()), sent
+    assert sent["temperature"] == 0.5  # everything else passes through
 
 
 async def test_upstream_key_is_sent_as_bearer_only_from_the_server_side() -> None:
