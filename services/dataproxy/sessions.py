@@ -780,8 +780,9 @@ class SessionStore:
     async def begin_turn(
         self, digest: str, *, session_id: str, token: str, lease_until: float
     ) -> ActiveEpisode | None:
-        """Resolves the key's (or session's) episode and takes the in-flight lease, in one
-        round trip; None while submission is paused (nothing taken).
+        """Resolves the key's (or session's) episode, takes the in-flight lease and keeps the
+        episode's idle deadline at least until the lease's, in one round trip; None while
+        submission is paused (nothing taken).
 
         A header-mode key's first call with a new session id binds an episode for it first
         (waiting for capacity like any start); other keys ignore `session_id`.
@@ -797,8 +798,9 @@ class SessionStore:
                     self._keys.session(key_id_of(digest), session_id)
                     if session_id
                     else self._keys.paused,
+                    self._keys.idle,
                 ],
-                [token, repr(lease_until), repr(time.time()), session_id],
+                [token, repr(lease_until), repr(time.time()), session_id, digest],
             )
             if status == b"ok":
                 header = mode == HEADER_MODE.encode()

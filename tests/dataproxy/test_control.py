@@ -312,3 +312,36 @@ async def test_a_turn_that_outlives_its_episode_is_refused_and_leaves_no_lease(
             trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
         )
         assert reply.drained
+
+
+async def test_a_turn_longer_than_the_idle_timeout_is_recorded_not_reaped_mid_turn(
+    redis_url: str, key_prefix: str
+) -> None:
+    idle_s = 0.3
+    async with running_proxy(
+        redis_url,
+        key_prefix,
+        token_interval_ms=60.0,
+        session_idle_timeout_s=idle_s,
+        reaper_interval_s=0.05,
+    ) as proxy:
+        started = await proxy.start()
+        began = time.monotonic()
+        messages = await collect(
+            proxy.chat(started.api_key, "a question long enough for a slow answer of many words")
+        )
+        # The construction: the turn outlived the idle timeout several reaper sweeps over.
+        assert time.monotonic() - began > idle_s + 0.2
+        assert messages[-1].HasField("done")  # recorded, not 503 episode_ended
+
+        # Once idle after the turn, the reaper publishes the episode with that turn in it.
+        async def published() -> bool:
+            return bool(await proxy.redis.xlen(proxy.keys.trajectories))
+
+        await until(published)
+        entries: Any = await proxy.redis.xrange(proxy.keys.trajectories)
+        ((_, fields),) = entries
+        trajectory = msgpack.unpackb(fields[b"data"], raw=False)
+        assert trajectory["session_id"] == started.session_id
+        assert trajectory["end_reason"] == "idle"
+        assert len(trajectory["interactions"]) == 1

@@ -345,6 +345,21 @@ async def test_activity_pushes_the_idle_deadline_forward(
     assert before is not None and after is not None and after > before
 
 
+async def test_a_turn_start_holds_the_idle_deadline_until_its_lease_and_never_lowers_it(
+    make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
+) -> None:
+    store = make_store(idle_s=1.0)
+    started = await store.start(task_id="t", api_key="")
+    digest = key_digest(started.api_key)
+    member = f"{digest}/{started.session_id}"
+    lease_until = time.time() + 50
+    assert await store.begin_turn(digest, session_id="", token="a", lease_until=lease_until)
+    assert await redis_client.zscore(keys.idle, member) == pytest.approx(lease_until)
+    # A second turn with a shorter lease leaves the later deadline alone.
+    assert await store.begin_turn(digest, session_id="", token="b", lease_until=lease_until - 40)
+    assert await redis_client.zscore(keys.idle, member) == pytest.approx(lease_until)
+
+
 async def test_reaper_leaves_an_episode_that_became_active_since_its_deadline_was_set(
     make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
