@@ -43,9 +43,11 @@ TURNS_PER_STEP = 100
 STEP_DEADLINE_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 # How long one operation is retried. A refresh whose dataproxy died mid-way leaves the key's
-# refresh marker behind until it expires (the dataproxy's refresh_lock_s, 130 s): meanwhile
-# refreshes of that key get 429, so an operation must outlast it.
-OP_DEADLINE_S = 240.0
+# refresh marker behind until it expires (10 s: a live holder keeps renewing it, a dead one
+# cannot), and a killed worker keeps its sessions until its router lease lapses (6 s):
+# meanwhile those operations fail (refreshes of that key get 429). An operation outlasts
+# either several times over, on a loaded machine.
+OP_DEADLINE_S = 60.0
 # Failures that certainly changed nothing: no connection, or "a refresh is already running".
 NEVER_SERVED = ("ClientConnectorError", "http_429")
 FILLER = "please tell me something short about distributed systems and their failure modes"
