@@ -139,10 +139,11 @@ class Stack:
         """host:port of the Trainer gRPC service (served by the dataproxy)."""
         return self.services["dataproxy"].address
 
-    def _env(self, **extra: str) -> dict[str, str]:
-        # The user's ROLLGATE_* settings (e.g. ROLLGATE_REFRESH_TIMEOUT_S) reach every service;
-        # what the stack wires itself (addresses, Redis, keys, ids) is set below and wins.
-        env = dict(os.environ)
+    def _env(self, file_env: Mapping[str, str], **extra: str) -> dict[str, str]:
+        """A service's environment: the file's settings, under the user's environment, under
+        what the stack wires itself (addresses, Redis, keys, ids)."""
+        env = dict(file_env)
+        env.update((k, v) for k, v in os.environ.items() if k not in self._upstream_key_vars())
         env.update(self.config.extra_env)
         env.update(
             ROLLGATE_REDIS_URL=self.redis_url,
@@ -153,6 +154,13 @@ class Stack:
         )
         env.update(extra)
         return env
+
+    def _upstream_key_vars(self) -> set[str]:
+        """Variables holding upstream keys: only the worker bound to that upstream gets one."""
+        names = {"ROLLGATE_UPSTREAM_API_KEY"}
+        if self.config.file is not None:
+            names.update(u.api_key_var for u in self.config.file.upstreams if u.api_key_var)
+        return names
 
     def _service_env(self, service: str) -> dict[str, str]:
         """The configuration file's variables for a service (addresses are the stack's own)."""
@@ -171,9 +179,9 @@ class Stack:
             for configured in cfg.file.upstreams:
                 env = worker_env(cfg.file, configured)
                 env["ROLLGATE_ROUTER_ADDR"] = router_addr
-                # The key variable is passed on by name; copy it when _env would strip it.
+                # Only this upstream's key variable reaches its workers (see _upstream_key_vars).
                 var = configured.api_key_var
-                if var.startswith("ROLLGATE_") and var in os.environ:
+                if var and var in os.environ:
                     env[var] = os.environ[var]
                 for i in range(configured.workers):
                     groups[f"worker-{configured.name}-{i + 1}"] = env
@@ -202,7 +210,7 @@ class Stack:
                 "--port",
                 str(port),
             ],
-            env=self._env(**{**self._service_env(kind), **env}),
+            env=self._env(self._service_env(kind), **env),
             address=address,
             log_path=self.log_dir / f"{name}.log",
             kind=kind,

@@ -138,10 +138,15 @@ class RollgateConfig:
 
 
 def normalize_base_url(raw: str, *, where: str = "base_url") -> str:
-    """The base URL ending in `/v1` (given with or without it), or ConfigError explaining why not."""
+    """The API base URL (a bare host gets `/v1`), or ConfigError explaining what is wrong."""
     url = raw.strip().rstrip("/")
     parts = urlsplit(url)
     example = "e.g. http://127.0.0.1:8000/v1 or https://api.example.com/v1"
+    if parts.username or parts.password:
+        raise ConfigError(
+            f"{where} has credentials in the URL: put the key in an environment variable "
+            "and name it in `api_key: ${VAR}` instead"
+        )
     if parts.scheme not in {"http", "https"} or not parts.netloc:
         raise ConfigError(f"{where}={raw!r} is not an http(s) URL ({example})")
     if parts.query or parts.fragment:
@@ -162,7 +167,9 @@ def normalize_base_url(raw: str, *, where: str = "base_url") -> str:
             f"{where}={raw!r} names an endpoint: give the base URL instead (drop the "
             f"endpoint path; {example})"
         )
-    return url if url.endswith("/v1") else url + "/v1"
+    # A bare host gets the usual /v1; a base with its own path (…/v1, …/api/paas/v4,
+    # …/v1beta/openai) is the provider's and is kept as given.
+    return url + "/v1" if parts.path in {"", "/"} else url
 
 
 # ----------------------------------------------------------------------------- raw YAML
@@ -405,6 +412,7 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
     router = top.section("router")
     dataproxy = top.section("dataproxy")
     worker = top.section("worker")
+    rollout = top.section("rollout")
     trainer_key_var = _key_var(dataproxy.get("trainer_key"), "dataproxy.trainer_key")
     upstreams_raw = worker.get("upstreams") or []
     if not isinstance(upstreams_raw, list):
@@ -442,14 +450,12 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
         upstreams=upstreams,
         sampling=_sampling(worker.section("sampling")),
         rollout=RolloutConfig(
-            batch_size=top.section("rollout").integer("batch_size"),
-            max_head_offpolicyness=top.section("rollout").integer(
-                "max_head_offpolicyness", minimum=0
-            ),
+            batch_size=rollout.integer("batch_size"),
+            max_head_offpolicyness=rollout.integer("max_head_offpolicyness", minimum=0),
         ),
         style="rollgate",
     )
-    readers = (top, redis, gateway, router, dataproxy, worker)
+    readers = (top, redis, gateway, router, dataproxy, worker, rollout)
     unknown = [name for reader in readers for name in reader.unknown()]
     if unknown:
         raise ConfigError(
@@ -513,10 +519,18 @@ def _flatten(raw: Any, path: str = "") -> dict[str, Any]:
     return {path: raw}
 
 
+# Sections only a rollgate file has: one of them makes the file a rollgate file, even when it
+# also has AReaL's `rollout:` (rollgate reads `rollout.batch_size` and friends too).
+_ROLLGATE_SECTIONS = frozenset(
+    {"admin_key", "redis", "gateway", "router", "dataproxy", "worker", "log_level"}
+)
+
+
 def is_areal(raw: Mapping[str, Any]) -> bool:
-    """True for an AReaL-style file (it has `actor`, `rollout`, `gconfig` or `train_dataset`)."""
+    """True for an AReaL-style file: `actor`, `rollout`, `gconfig` or `train_dataset`, and
+    none of rollgate's own sections."""
     areal = {"actor", "rollout", "gconfig", "train_dataset"}
-    return bool(areal & raw.keys()) and "worker" not in raw
+    return bool(areal & raw.keys()) and not (_ROLLGATE_SECTIONS & raw.keys())
 
 
 def _from_areal(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateConfig:

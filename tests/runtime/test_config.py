@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.config import ConfigError, load_config, settings_env
+from services.runtime.config import ConfigError, load_config, normalize_base_url, settings_env
 from services.worker.settings import WorkerSettings
 
 ENV = {"TAOTOKEN_API_KEY": "sk-tao-secret", "RG_ADMIN": "admin-secret", "HOST": "gpu1"}
@@ -182,3 +182,46 @@ def test_the_example_file_in_the_repository_loads() -> None:
         WorkerSettings.from_env(
             {**settings_env(config, "worker", upstream=upstream.name), **environ}
         )
+
+
+def test_a_rollgate_file_with_a_rollout_section_stays_a_rollgate_file() -> None:
+    text = """
+admin_key: ${ADMIN}
+dataproxy:
+  refresh_timeout_s: 7
+rollout:
+  batch_size: 4
+"""
+    config = load_config(text=text, environ={"ADMIN": "rg-admin-x"})
+    assert config.style == "rollgate"
+    assert config.admin_key == "rg-admin-x"
+    assert config.dataproxy.refresh_timeout_s == 7
+    assert config.rollout.batch_size == 4
+
+
+def test_a_typo_in_rollout_is_reported() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.batchsize"):
+        load_config(text="worker: {}\nrollout:\n  batchsize: 4\n", environ={})
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8000/v1"),
+        ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000/v1"),
+        ("https://open.bigmodel.cn/api/paas/v4", "https://open.bigmodel.cn/api/paas/v4"),
+        (
+            "https://generativelanguage.googleapis.com/v1beta/openai/",
+            "https://generativelanguage.googleapis.com/v1beta/openai",
+        ),
+    ],
+)
+def test_base_urls_get_v1_only_when_they_have_no_path(given: str, expected: str) -> None:
+    assert normalize_base_url(given) == expected
+
+
+def test_credentials_in_a_base_url_are_refused_without_echoing_them() -> None:
+    with pytest.raises(ConfigError) as caught:
+        normalize_base_url("https://user:hunter2@api.example.com/v1")
+    assert "hunter2" not in str(caught.value)
+    assert "api_key" in str(caught.value)
