@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -188,6 +190,19 @@ def _raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _first_model(gateway_url: str, admin_key: str) -> str:
+    """The first model the gateway lists (what the banner's curl should ask for)."""
+    request = urllib.request.Request(
+        f"{gateway_url}/v1/models", headers={"Authorization": f"Bearer {admin_key}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            models = json.loads(resp.read())["data"]
+    except (OSError, ValueError, KeyError):
+        return "<model>"
+    return str(models[0]["id"]) if models else "<model>"
+
+
 def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
     gw = stack.gateway_url
     examples = "examples/openclaw"
@@ -210,13 +225,13 @@ def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
         "",
         "next:",
         f"  export ROLLGATE_ADMIN_KEY={admin_key}",
-        f"  python {examples}/start_session.py {gw}",
+        f"  python3 {examples}/start_session.py {gw}",
         f"  curl -N {gw}/v1/chat/completions -H 'Authorization: Bearer <sk-sess-… key>' \\",
         "       -H 'Content-Type: application/json' \\",
-        '       -d \'{"model": "rollgate-mock", "messages": [{"role": "user", "content": "hi"}],'
+        f'       -d \'{{"model": "{_first_model(gw, admin_key)}", "messages": [{{"role": "user", "content": "hi"}}],'
         ' "stream": true}\'',
-        f"  python {examples}/set_reward.py {gw} --api-key <sk-sess-… key> --reward 1.0",
-        f"  python {examples}/start_session.py {gw} --api-key <sk-sess-… key>   # refresh: publishes",
+        f"  python3 {examples}/set_reward.py {gw} --api-key <sk-sess-… key> --reward 1.0",
+        f"  python3 {examples}/start_session.py {gw} --api-key <sk-sess-… key>   # refresh: publishes",
         "  .venv/bin/rollgate trajectories tail --json",
         "",
         "Ctrl-C stops everything.",

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
@@ -158,13 +159,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
     args = parser.parse_args(argv)
-    settings = DataProxySettings.from_env(
-        merged_environ(os.environ, args.config, args.overrides, "dataproxy"),
-        host=args.host,
-        port=args.port,
-    )
+    try:
+        settings = DataProxySettings.from_env(
+            merged_environ(os.environ, args.config, args.overrides, "dataproxy"),
+            host=args.host,
+            port=args.port,
+        )
+    except ValueError as err:
+        parser.error(str(err))
     configure_logging(service="dataproxy", json_logs=settings.log_json, level=settings.log_level)
-    run(lambda: _main(settings))
+    try:
+        run(lambda: _main(settings))
+    except OSError as err:
+        log.error("startup_failed", error=str(err))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
         banner = "".join(_read_until(_lines(proc), "Ctrl-C stops everything", 90))
         assert f"gateway http://127.0.0.1:{port}" in banner
         assert "MOCK LLM" in banner
+        assert '"model": "rollgate-mock"' in banner, "the curl names a model that is served"
         admin_key = next(
             line.split(":", 1)[1].split()[0] for line in banner.splitlines() if "admin key" in line
         )
