@@ -678,6 +678,8 @@ def settings_env(
         _put(env, "ROLLGATE_DATAPROXY_ADDR", config.dataproxy.address)
         _put(env, "ROLLGATE_MAX_BODY_BYTES", config.gateway.max_body_bytes)
         _put(env, "ROLLGATE_REQUEST_TIMEOUT_S", config.gateway.request_timeout_s)
+        # start_session waits as long as the dataproxy's refresh does (plus a margin).
+        _put(env, "ROLLGATE_REFRESH_TIMEOUT_S", config.dataproxy.refresh_timeout_s)
     elif service == "router":
         _put(env, "ROLLGATE_WORKER_LEASE_S", config.router.worker_lease_s)
         _put(env, "ROLLGATE_HEARTBEAT_INTERVAL_S", config.router.heartbeat_interval_s)

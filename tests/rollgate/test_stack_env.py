@@ -25,6 +25,8 @@ def test_lifecycle_settings_in_the_file_reach_the_dataproxy() -> None:
     assert float(env["ROLLGATE_SESSION_IDLE_TIMEOUT_S"]) == 90
     assert float(env["ROLLGATE_PAUSE_WAIT_S"]) == 3
     assert float(env["ROLLGATE_LATE_REWARD_TIMEOUT_S"]) == 45
+    # The gateway's start_session deadline follows the refresh wait.
+    assert float(settings_env(config, "gateway")["ROLLGATE_REFRESH_TIMEOUT_S"]) == 7
 
 
 def test_user_settings_reach_services_but_the_stack_wires_its_own(
