@@ -581,8 +581,14 @@ def load_config(
     environ: Mapping[str, str],
     overrides: Sequence[str] = (),
     text: str | None = None,
+    upstream_keys: bool = True,
 ) -> RollgateConfig:
-    """The validated configuration of a YAML file (or `text`), overrides applied."""
+    """The validated configuration of a YAML file (or `text`), overrides applied.
+
+    With `upstream_keys` (the default: `rollgate up`, `check-upstream`) every upstream's
+    `api_key: ${VAR}` must name a variable that is set in `environ`; a service that never
+    sees the upstream keys (gateway, router, dataproxy) loads with `upstream_keys=False`.
+    """
     source = str(path) if path is not None else "<text>"
     if text is None:
         if path is None:
@@ -604,9 +610,29 @@ def load_config(
     keys = _key_fields(raw)
     expanded = expand_vars(_without(raw, keys), environ)
     _restore(expanded, keys)
-    if is_areal(expanded):
-        return _from_areal(expanded, environ)
-    return _from_rollgate(expanded, environ)
+    config = (
+        _from_areal(expanded, environ) if is_areal(expanded) else _from_rollgate(expanded, environ)
+    )
+    if upstream_keys:
+        for upstream in config.upstreams:
+            check_upstream_key(config, upstream, environ)
+    return config
+
+
+def check_upstream_key(
+    config: RollgateConfig, upstream: UpstreamConfig, environ: Mapping[str, str]
+) -> None:
+    """ConfigError naming the variable when the upstream's `api_key: ${VAR}` is not set."""
+    var = upstream.api_key_var
+    if not var or environ.get(var, ""):
+        return
+    index = config.upstreams.index(upstream)
+    where = "rollout.api_key" if config.style == "areal" else f"worker.upstreams.{index}.api_key"
+    raise ConfigError(
+        f"{where} is ${{{var}}} (the key of upstream {upstream.name!r}) but {var} is not set "
+        f"in the environment: `export {var}=<the key>` in the shell that runs rollgate (or "
+        f"the worker), or remove api_key if {upstream.base_url} needs no key"
+    )
 
 
 # Key fields keep their `${VAR}` text through expansion: the loader needs the variable's name.
@@ -744,5 +770,8 @@ def merged_environ(
         if overrides:
             raise ConfigError("dotted overrides need --config FILE")
         return dict(environ)
-    config = load_config(config_path, environ=environ, overrides=overrides)
+    config = load_config(config_path, environ=environ, overrides=overrides, upstream_keys=False)
+    if service == "worker":
+        # Only the worker needs (and only it gets) its own upstream's key.
+        check_upstream_key(config, _pick_upstream(config, upstream), environ)
     return {**settings_env(config, service, upstream=upstream), **environ}

@@ -173,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if settings.tokenizer_path:
             LocalTokenizer(settings.tokenizer_path)
     except ValueError as err:
-        parser.error(str(err))
+        # A configuration problem is one clear line, not a usage dump.
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        sys.exit(2)
     configure_logging(service="worker", json_logs=settings.log_json, level=settings.log_level)
     try:
         run(lambda: _main(settings))
