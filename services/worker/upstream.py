@@ -222,8 +222,10 @@ def error_for_status(
         )
     if status == 404:
         return UpstreamError(
-            f"the upstream answered 404 for POST {url}: usually the base URL lacks /v1 or "
-            f"the model is not served there ({message})",
+            f"the upstream answered 404 for POST {url} ({message}): either the model id is "
+            "not served there (compare it with the upstream's GET …/models) or the base URL "
+            "is wrong: compare the URL called with the base URL the provider documents "
+            "(a bare host gets /v1 appended; a base URL with a path is used exactly as given)",
             code="upstream_not_found",
         )
     if status == 429:

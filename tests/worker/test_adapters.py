@@ -391,6 +391,20 @@ def test_error_mapping() -> None:
     assert isinstance(error_for_status(503, b"<html>", headers(), url=url), UpstreamError)
 
 
+def test_a_404_names_the_url_called_and_points_at_the_documented_base_url_and_model() -> None:
+    url = "https://open.bigmodel.cn/api/paas/v4/chat/completions"
+    body = orjson.dumps({"error": {"message": "model glm-x not found"}})
+    error = error_for_status(404, body, headers(), url=url)
+    assert isinstance(error, UpstreamError) and error.code == "upstream_not_found"
+    assert f"POST {url}" in error.message
+    assert "model glm-x not found" in error.message
+    assert "base URL the provider documents" in error.message
+    assert "model id" in error.message
+    # The rule of normalize_base_url: a base with its own path is never given /v1.
+    assert "lacks /v1" not in error.message
+    assert "used exactly as given" in error.message
+
+
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
