@@ -5,6 +5,12 @@ ids, plus native `/generate` with `input_ids` and `meta_info.output_token_logpro
 `[[logprob, id, text], …]`), `openai` (a hosted API: `return_token_ids` is refused). `n > 1`
 returns one choice per sample.
 
+SGLang's chat endpoint with a reasoning and a tool parser is emulated as SGLang behaves
+(sglang#25055): `logprobs.content` covers the whole raw output, `<think>`/`</think>` and the
+tool-call markup included, so it has more entries than the content's tokens; the markup
+tokens travel on chunks with an empty delta. The usage chunk's `choices` can be `[]` (the
+default), `null` or absent (`usage_choices`), as different servers send it.
+
 Deterministic: a word-level tokenizer with ids from a stable hash, a simple chat template,
 seeded logprobs. The last user message can force behaviours for tests: `/tool` (a tool call
 when the request has tools), `/fail-<status>`, `/hang`, `/fail-midstream`.
@@ -36,6 +42,8 @@ log = logging.getLogger("rollgate.mock_llm")
 
 MOCK_FINGERPRINT = "rollgate-mock"
 FLAVORS = ("vllm", "sglang", "openai")
+# How the streamed usage chunk carries `choices`: `[]`, `null`, or no key at all.
+USAGE_CHOICES = ("empty", "null", "absent")
 _PIECE = re.compile(r"\s*\S+|\s+")
 _FAIL = re.compile(r"/fail-(\d{3})\b")
 _REASONING_TEXT = "Let me think about what the user asked before I answer."
@@ -82,7 +90,8 @@ def _last_user_text(messages: Sequence[Any]) -> str:
 class _Token:
     piece: str
     logprob: float
-    # Which part of the answer the token belongs to: "reasoning", "content", "tool".
+    # Which part of the answer the token belongs to: "reasoning", "content", "tool", or
+    # "markup" (SGLang's <think>/</think> and tool-call markup: logprobs only, no delta).
     channel: str
     # The text the client sees in its delta (tool markup tokens show none).
     text: str
@@ -111,7 +120,7 @@ class _BadRequest(Exception):
     pass
 
 
-def _plan(body: dict[str, Any], default_model: str, index: int = 0) -> _Plan:
+def _plan(body: dict[str, Any], default_model: str, index: int = 0, flavor: str = "vllm") -> _Plan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadRequest("'messages' must be a non-empty list")
@@ -129,6 +138,7 @@ def _plan(body: dict[str, Any], default_model: str, index: int = 0) -> _Plan:
         tools=body.get("tools"),
         thinking=thinking,
         prompt_ids=[token_id(p) for p in tokenize(render_prompt(messages))],
+        raw_markup=flavor == "sglang",
     )
 
 
@@ -141,6 +151,7 @@ def _plan_answer(
     tools: Any,
     thinking: bool,
     prompt_ids: list[int],
+    raw_markup: bool = False,
 ) -> _Plan:
 
     def make(piece: str, channel: str, text: str | None = None) -> _Token:
@@ -151,7 +162,17 @@ def _plan_answer(
 
     tokens: list[_Token] = []
     if thinking:
-        tokens += [make(p, "reasoning") for p in tokenize(_REASONING_TEXT)]
+        reasoning = [make(p, "reasoning") for p in tokenize(_REASONING_TEXT)]
+        if raw_markup:
+            reasoning = [
+                make("<think>", "markup", ""),
+                make("\n", "markup", ""),
+                *reasoning,
+                make("\n", "markup", ""),
+                make("</think>", "markup", ""),
+                make("\n\n", "markup", ""),
+            ]
+        tokens += reasoning
     tool_name: str | None = None
     echo = " ".join(user_text.split()[:_MAX_ECHO_WORDS])
     if isinstance(tools, list) and tools and "/tool" in user_text:
@@ -161,9 +182,14 @@ def _plan_answer(
         tool_name = str(name or "tool")
         arguments = orjson.dumps({"query": echo}).decode()
         tokens.append(make("<tool_call>", "tool", ""))
+        if raw_markup:
+            head = f'\n{{"name": {orjson.dumps(tool_name).decode()}, "arguments": '
+            tokens.append(make(head, "markup", ""))
         # Split the arguments at a fixed point so they always stream in at least two fragments.
         half = max(1, len(arguments) // 2)
         tokens += [make(arguments[:half], "tool"), make(arguments[half:], "tool")]
+        if raw_markup:
+            tokens += [make("}\n", "markup", ""), make("</tool_call>", "markup", "")]
         finish_reason = "tool_calls"
     else:
         reply = f"Mock reply {rng.randint(1, 99)}: you said {echo}".rstrip()
@@ -285,6 +311,8 @@ def _token_delta(plan: _Plan, token: _Token, first_tool_fragment: bool) -> dict[
         return {"reasoning_content": token.text}
     if token.channel == "content":
         return {"content": token.text}
+    if token.channel == "markup":
+        return {}
     fragment: dict[str, Any] = {"index": 0, "function": {"arguments": token.text}}
     if first_tool_fragment:
         fragment = {
@@ -457,6 +485,25 @@ def _group_stream(plans: list[_Plan]) -> list[bytes]:
     return out
 
 
+def _usage_variant(events: list[bytes], variant: str) -> list[bytes]:
+    """The events with the usage chunk's `choices` as `variant` says (`[]`, null, absent)."""
+    if variant == "empty":
+        return events
+    out = []
+    for event in events:
+        payload = event.removeprefix(b"data: ").strip()
+        if payload != b"[DONE]":
+            chunk = orjson.loads(payload)
+            if chunk.get("choices") == [] and chunk.get("usage") is not None:
+                if variant == "null":
+                    chunk["choices"] = None
+                else:
+                    del chunk["choices"]
+                event = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        out.append(event)
+    return out
+
+
 def _error(status: int, message: str, *, code: str | None = None, **headers: str) -> web.Response:
     error_type = {
         401: "invalid_request_error",
@@ -498,9 +545,14 @@ class MockLLM:
         flavor: str = "vllm",
         strict_model: bool = False,
         decode: Callable[[list[int]], str] | None = None,
+        usage_choices: str = "empty",
     ) -> None:
         if flavor not in FLAVORS:
             raise ValueError(f"flavor {flavor!r} is not one of {', '.join(FLAVORS)}")
+        if usage_choices not in USAGE_CHOICES:
+            raise ValueError(f"usage_choices {usage_choices!r} is not one of {USAGE_CHOICES}")
+        # The streamed usage chunk's `choices`: [] ("empty"), null ("null"), no key ("absent").
+        self.usage_choices = usage_choices
         # vllm: honours return_token_ids; sglang: SGLang's shapes (chat without ids, /generate);
         # openai: a hosted API (refuses return_token_ids like OpenAI does).
         self.flavor = flavor
@@ -583,7 +635,8 @@ class MockLLM:
             return refused
         try:
             n = body.get("n") or 1
-            plans = [_plan(body, self.model, i) for i in range(n if isinstance(n, int) else 1)]
+            count = n if isinstance(n, int) else 1
+            plans = [_plan(body, self.model, i, self.flavor) for i in range(count)]
         except _BadRequest as err:
             return _error(400, str(err))
         if self.flavor != "vllm":
@@ -607,8 +660,9 @@ class MockLLM:
             return web.Response(
                 body=orjson.dumps(_group_body(plans)), content_type="application/json"
             )
+        events = _usage_variant(_group_stream(plans), self.usage_choices)
         return await self._stream(
-            request, plan, _group_stream(plans), midstream_failure="/fail-midstream" in user_text
+            request, plan, events, midstream_failure="/fail-midstream" in user_text
         )
 
     def _refusal(self, body: dict[str, Any]) -> web.Response | None:
@@ -717,6 +771,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--strict-model", action="store_true", help="404 for any model but --model (like vLLM)"
     )
+    parser.add_argument(
+        "--usage-choices",
+        choices=USAGE_CHOICES,
+        default="empty",
+        help="the streamed usage chunk's choices: [] (empty), null, or no key (absent)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     mock = MockLLM(
@@ -728,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         flavor=args.flavor,
         strict_model=args.strict_model,
+        usage_choices=args.usage_choices,
     )
 
     async def serve() -> None:

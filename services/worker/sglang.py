@@ -74,7 +74,9 @@ def _visible(raw: str) -> tuple[str, str]:
         reasoning = head.removeprefix(_THINK_OPEN)
         if not closed:
             reasoning = reasoning[: len(reasoning) - _partial_tag_suffix(reasoning, _THINK_CLOSE)]
-            return reasoning.lstrip("\n"), ""
+            # Trailing whitespace is held back: before `</think>` it is stripped, as the
+            # non-streamed answer strips it, so both give the same reasoning.
+            return reasoning.lstrip("\n").rstrip(), ""
         reasoning = reasoning.strip()
         rest = rest.lstrip("\n")
     cut = rest.find(_TOOL_OPEN)
