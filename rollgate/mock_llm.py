@@ -9,7 +9,8 @@ SGLang's chat endpoint with a reasoning and a tool parser is emulated as SGLang 
 (sglang#25055): `logprobs.content` covers the whole raw output, `<think>`/`</think>` and the
 tool-call markup included, so it has more entries than the content's tokens; the markup
 tokens travel on chunks with an empty delta. The usage chunk's `choices` can be `[]` (the
-default), `null` or absent (`usage_choices`), as different servers send it.
+default), `null` or absent (`usage_choices`), as different servers send it. `GET /mock/stats`
+reports the chat requests per model it received (for tests driving it as a process).
 
 Deterministic: a word-level tokenizer with ids from a stable hash, a simple chat template,
 seeded logprobs. The last user message can force behaviours for tests: `/tool` (a tool call
@@ -528,6 +529,12 @@ class MockStats:
     streams_finished: int = 0
     # Requests whose client went away before the answer was complete.
     disconnects: int = 0
+    # Chat requests per requested model id (what reached this upstream, aliases resolved).
+    models: dict[str, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """What `GET /mock/stats` answers (other processes' tests read it)."""
+        return {"requests": self.requests, "models": self.models, "disconnects": self.disconnects}
 
 
 class MockLLM:
@@ -581,7 +588,11 @@ class MockLLM:
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
             app.router.add_get(f"{prefix}/models", self._models)
         app.router.add_post("/generate", self._generate)
+        app.router.add_get("/mock/stats", self._stats)
         return app
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats.as_json(), dumps=lambda v: orjson.dumps(v).decode())
 
     async def __aenter__(self) -> MockLLM:
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
@@ -630,6 +641,8 @@ class MockLLM:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
         self.stats.last_body = body
+        model = str(body.get("model"))
+        self.stats.models[model] = self.stats.models.get(model, 0) + 1
         refused = self._refusal(body)
         if refused is not None:
             return refused
