@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
-import sys
 from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
@@ -26,17 +23,15 @@ from services.dataproxy.sessions import EpisodePolicy, SessionStore
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.stream_trim import StreamTrimmer
 from services.dataproxy.trainer_servicer import TrainerServicer, build_control
-from services.runtime.config import merged_environ
 from services.runtime.grpc_client import ChannelPool
-from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
-from services.runtime.logs import configure_logging, get_logger
+from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.redis_conn import open_redis
+from services.runtime.service_main import service_main
 
 SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer", "rollgate.v1.Conversations")
 REDIS_PING_TIMEOUT_S = 5.0
 REAPER_STOP_S = 5.0
 
-log = get_logger(__name__)
 
 
 def build_store(*, redis: aioredis.Redis, settings: DataProxySettings) -> SessionStore:
@@ -145,34 +140,16 @@ async def _reaping(store: SessionStore, settings: DataProxySettings) -> AsyncIte
                 await task
 
 
-async def _main(settings: DataProxySettings) -> None:
-    async with serving(settings):
-        await wait_for_stop_signal()
-        log.info("stop_signal_received")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses the command line, reads the settings once and runs until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(prog="python -m services.dataproxy", description=__doc__)
-    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 50052; 0: any)")
-    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
-    args = parser.parse_args(argv)
-    try:
-        settings = DataProxySettings.from_env(
-            merged_environ(os.environ, args.config, args.overrides, "dataproxy"),
-            host=args.host,
-            port=args.port,
-        )
-    except ValueError as err:
-        parser.error(str(err))
-    configure_logging(service="dataproxy", json_logs=settings.log_json, level=settings.log_level)
-    try:
-        run(lambda: _main(settings))
-    except OSError as err:
-        log.error("startup_failed", error=str(err))
-        sys.exit(1)
+    service_main(
+        service="dataproxy",
+        description=__doc__,
+        default_port=50052,
+        settings_from_env=DataProxySettings.from_env,
+        serving=serving,
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
-import sys
 from collections.abc import AsyncIterator, Sequence
 
 from protos import router_pb2_grpc
 from services.router.registry import Registry, RouterKeys
 from services.router.servicer import RouterServicer
 from services.router.settings import RouterSettings
-from services.runtime.config import merged_environ
-from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
-from services.runtime.logs import configure_logging, get_logger
+from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.redis_conn import open_redis
+from services.runtime.service_main import service_main
 
 SERVICE_NAME = "rollgate.v1.Router"
 
-log = get_logger(__name__)
 
 
 class StartupError(Exception):
@@ -64,34 +59,17 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
         yield server
 
 
-async def _main(settings: RouterSettings) -> None:
-    async with serving(settings):
-        await wait_for_stop_signal()
-        log.info("stop_signal_received")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses the command line, reads the settings once and runs until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
-    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 50051; 0: any)")
-    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
-    args = parser.parse_args(argv)
-    try:
-        settings = RouterSettings.from_env(
-            merged_environ(os.environ, args.config, args.overrides, "router"),
-            host=args.host,
-            port=args.port,
-        )
-    except ValueError as err:
-        parser.error(str(err))
-    configure_logging(service="router", json_logs=settings.log_json, level=settings.log_level)
-    try:
-        run(lambda: _main(settings))
-    except (StartupError, OSError) as err:
-        log.error("startup_failed", error=str(err))
-        sys.exit(1)
+    service_main(
+        service="router",
+        description=__doc__,
+        default_port=50051,
+        settings_from_env=RouterSettings.from_env,
+        serving=serving,
+        argv=argv,
+        startup_errors=(StartupError, OSError),
+    )
 
 
 if __name__ == "__main__":

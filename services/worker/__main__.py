@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import socket
-import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from protos import router_pb2_grpc, worker_pb2_grpc
-from services.runtime.config import merged_environ
 from services.runtime.grpc_client import open_channel
-from services.runtime.grpc_server import GrpcServer, ServerSpec, run, wait_for_stop_signal
-from services.runtime.logs import configure_logging, get_logger
+from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.runtime.logs import get_logger
+from services.runtime.service_main import service_main
 from services.worker.adapters import adapter_for
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
@@ -150,38 +148,28 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         )
 
 
-async def _main(settings: WorkerSettings) -> None:
-    async with serving(settings):
-        await wait_for_stop_signal()
-        log.info("stop_signal_received")
+def _settings(environ: Mapping[str, str], *, host: str | None, port: int | None) -> WorkerSettings:
+    settings = WorkerSettings.from_env(environ, host=host, port=port)
+    if settings.tokenizer_path:
+        LocalTokenizer(settings.tokenizer_path)  # a bad tokenizer file fails at start-up
+    return settings
+
+
+def _upstream_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", default=None, help="which configured upstream to serve")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses the command line, reads the settings once and runs until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
-    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 50061; 0: any)")
-    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
-    parser.add_argument("--upstream", default=None, help="which configured upstream to serve")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
-    args = parser.parse_args(argv)
-    try:
-        environ = merged_environ(
-            os.environ, args.config, args.overrides, "worker", upstream=args.upstream
-        )
-        settings = WorkerSettings.from_env(environ, host=args.host, port=args.port)
-        if settings.tokenizer_path:
-            LocalTokenizer(settings.tokenizer_path)
-    except ValueError as err:
-        # A configuration problem is one clear line, not a usage dump.
-        print(f"{parser.prog}: {err}", file=sys.stderr)
-        sys.exit(2)
-    configure_logging(service="worker", json_logs=settings.log_json, level=settings.log_level)
-    try:
-        run(lambda: _main(settings))
-    except OSError as err:
-        log.error("startup_failed", error=str(err))
-        sys.exit(1)
+    service_main(
+        service="worker",
+        description=__doc__,
+        default_port=50061,
+        settings_from_env=_settings,
+        serving=serving,
+        argv=argv,
+        add_arguments=_upstream_argument,
+    )
 
 
 if __name__ == "__main__":

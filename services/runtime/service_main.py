@@ -1,0 +1,82 @@
+"""The one `main` every service runs: parse the command line, read the settings once, log,
+serve until SIGTERM/SIGINT, and turn start-up failures into one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar
+
+from services.runtime.config import merged_environ
+from services.runtime.grpc_server import run, wait_for_stop_signal
+from services.runtime.logs import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+
+class ServiceSettings(Protocol):
+    """What the entry point needs from a service's settings."""
+
+    @property
+    def log_json(self) -> bool | None: ...
+
+    @property
+    def log_level(self) -> str: ...
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def service_main(
+    *,
+    service: str,
+    description: str | None,
+    default_port: int,
+    settings_from_env: Callable[..., S],
+    serving: Callable[[S], AbstractAsyncContextManager[Any]],
+    argv: Sequence[str] | None = None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    startup_errors: tuple[type[Exception], ...] = (OSError,),
+) -> None:
+    """Runs `service` (`python -m services.<service> [--host H] [--port P] [--config F] …`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=description)
+    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=None, help=f"port (default {default_port}; 0: any)"
+    )
+    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
+    if add_arguments is not None:
+        add_arguments(parser)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_env(
+            _environ(service, args, os.environ), host=args.host, port=args.port
+        )
+    except ValueError as err:
+        # A configuration problem is one clear line naming the setting, not a usage dump.
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        sys.exit(2)
+    configure_logging(service=service, json_logs=settings.log_json, level=settings.log_level)
+
+    async def serve() -> None:
+        async with serving(settings):
+            await wait_for_stop_signal()
+            log.info("stop_signal_received")
+
+    try:
+        run(serve)
+    except startup_errors as err:
+        log.error("startup_failed", error=str(err))
+        sys.exit(1)
+
+
+def _environ(
+    service: str, args: argparse.Namespace, environ: Mapping[str, str]
+) -> Mapping[str, str]:
+    """The environment with the configuration file's values under it."""
+    upstream = getattr(args, "upstream", None)
+    return merged_environ(environ, args.config, args.overrides, service, upstream=upstream)
