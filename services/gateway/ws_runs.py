@@ -192,17 +192,18 @@ class Runs:
     async def _run(self, lane: Lane, batch: list[Message]) -> RunResult:
         primary = batch[0]
         holder = f"{primary.run_id}/{uuid.uuid4().hex[:8]}"
-        sinks = _unique_sinks(batch)
+        # One event stream per run: its `seq` rises across every event, a failure's included.
+        stream = _EventStream(primary, lane.conversation, _unique_sinks(batch), self._config)
         deadline = time.monotonic() + self._config.run_timeout_s
         try:
             await self._acquire(lane, holder, deadline)
         except RollgateError as err:
-            return await self._failed(lane, batch, sinks, err)
+            return await self._failed(batch, stream, err)
         renew = asyncio.create_task(self._renew(lane, holder))
         try:
-            return await self._generate(lane, batch, sinks, holder, deadline)
+            return await self._generate(lane, batch, stream, holder, deadline)
         except RollgateError as err:
-            return await self._failed(lane, batch, sinks, err)
+            return await self._failed(batch, stream, err)
         finally:
             renew.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -238,7 +239,7 @@ class Runs:
         self,
         lane: Lane,
         batch: list[Message],
-        sinks: list[Sink],
+        stream: _EventStream,
         holder: str,
         deadline: float,
     ) -> RunResult:
@@ -249,7 +250,6 @@ class Runs:
         messages += [orjson.loads(entry)["message"] for entry in history]
         messages.append(user)
         body = {"model": await self._pick_model(), "messages": messages}
-        stream = _EventStream(primary, lane.conversation, sinks, self._config)
         await stream.lifecycle("start", startedAt=now_ms())
         lane.abort_requested = False
         lane.worker_address = ""
@@ -317,10 +317,9 @@ class Runs:
         raise AssertionError("unreachable: stream_chat ends with a Completion")
 
     async def _failed(
-        self, lane: Lane, batch: list[Message], sinks: list[Sink], err: RollgateError
+        self, batch: list[Message], stream: _EventStream, err: RollgateError
     ) -> RunResult:
         log.info("ws_run_failed", run_id=batch[0].run_id, code=err.code, message=err.message)
-        stream = _EventStream(batch[0], lane.conversation, sinks, self._config)
         result = RunResult(status="error", text="", error=err)
         await stream.finish(result, batch)
         return result

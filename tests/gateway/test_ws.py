@@ -573,3 +573,38 @@ async def test_turns_of_one_conversation_never_overlap_across_gateway_replicas(
         await two.ws.close()
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("trigger", ["please /fail-500", "please /fail-midstream now"])
+async def test_a_failed_run_ends_with_chat_error_and_its_seq_keeps_rising(
+    stack: Stack, ws_url: str, trigger: str
+) -> None:
+    key = (await _start(stack))["api_key"]
+    client = await open_client(stack.http, ws_url, key)
+    run_id = str(uuid.uuid4())
+    params = {"sessionKey": "failing", "message": trigger, "idempotencyKey": run_id}
+    assert (await client.call("chat.send", params))["payload"]["status"] == "started"
+    end = await client.chat_end(run_id)
+    assert end["payload"]["state"] == "error"
+    assert end["payload"]["errorMessage"] and end["payload"]["errorCode"]
+    run_events = [
+        f
+        for f in client.frames
+        if f["type"] == "event"
+        and isinstance(f.get("payload"), dict)
+        and f["payload"].get("runId") == run_id
+    ]
+    phases = [
+        f["payload"]["data"]["phase"]
+        for f in run_events
+        if f["event"] == "agent" and f["payload"]["stream"] == "lifecycle"
+    ]
+    assert phases == ["start", "error"]
+    if "midstream" in trigger:
+        assert any(f["payload"].get("stream") == "assistant" for f in run_events)
+    # One per-run `seq` over all of the run's events, never restarting.
+    seqs = [f["payload"]["seq"] for f in run_events]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    # The socket stays usable.
+    assert (await client.call("health", {}))["ok"]
+    await client.ws.close()
