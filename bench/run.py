@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +42,8 @@ class Result:
     p99_ms: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    # CPU milliseconds each kind of process spent per request (gateway runs only).
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -146,6 +149,7 @@ async def _run(stack: Stack, seconds: float) -> list[Result]:
                 concurrency,
                 seconds,
             )
+            before = _cpu_s(stack)
             gateway = await _scenario(
                 "gateway",
                 f"{stack.gateway_url}/v1/chat/completions",
@@ -154,8 +158,29 @@ async def _run(stack: Stack, seconds: float) -> list[Result]:
                 concurrency,
                 seconds,
             )
+            spent = {k: v - before[k] for k, v in _cpu_s(stack).items()}
+            gateway = replace(
+                gateway,
+                cpu_ms_per_request={
+                    kind: round(1000 * s / max(1, gateway.requests + 3), 3)
+                    for kind, s in spent.items()
+                },
+            )
             results += [direct, gateway]
     return results
+
+
+def _cpu_s(stack: Stack) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each kind of service process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for service in stack.services.values():
+        if service.process is None:
+            continue
+        fields = Path(f"/proc/{service.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        kind = "mock" if service.kind == "http" else service.kind
+        used[kind] = used.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return used
 
 
 def _table(results: list[Result]) -> str:
@@ -171,6 +196,16 @@ def _table(results: list[Result]) -> str:
             f"{gw.p50_ms - direct.p50_ms:.2f} | {gw.p99_ms - direct.p99_ms:.2f} | "
             f"{direct.ttft_p50_ms:.2f} | {gw.ttft_p50_ms:.2f} | "
             f"{gw.ttft_p50_ms - direct.ttft_p50_ms:.2f} | {direct.errors + gw.errors} |"
+        )
+    rows += ["", "CPU ms per request through the gateway, by process kind:", ""]
+    kinds = sorted({k for r in results[1::2] for k in r.cpu_ms_per_request})
+    rows += ["| mode | conc | " + " | ".join(kinds) + " | total |", "|---" * (len(kinds) + 3) + "|"]
+    for gw in results[1::2]:
+        cpu = gw.cpu_ms_per_request
+        rows.append(
+            f"| {'stream' if gw.stream else 'unary'} | {gw.concurrency} | "
+            + " | ".join(f"{cpu.get(k, 0):.2f}" for k in kinds)
+            + f" | {sum(cpu.values()):.2f} |"
         )
     return "\n".join(rows)
 
