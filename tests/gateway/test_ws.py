@@ -566,9 +566,21 @@ async def test_turns_of_one_conversation_never_overlap_across_gateway_replicas(
         await two.chat_end("x-2")
         assert stack.mock.stats.requests == before + 2
         history = await one.call("chat.history", {"sessionKey": "shared"})
-        roles = [m["role"] for m in history["payload"]["messages"]]
+        messages = history["payload"]["messages"]
+        roles = [m["role"] for m in messages]
         # Serialized: each user message is followed by its own answer.
         assert roles == ["user", "assistant", "user", "assistant"]
+        # ... and the second run started after the first ended: its upstream prompt holds the
+        # first run's answer (overlapping runs would both read the empty history).
+        first_user, first_answer, second_user = (m["content"][0]["text"] for m in messages[:3])
+        assert stack.mock.stats.last_body is not None
+        prompt = stack.mock.stats.last_body["messages"]
+        assert prompt == [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": first_user},
+            {"role": "assistant", "content": first_answer},
+            {"role": "user", "content": second_user},
+        ]
         await one.ws.close()
         await two.ws.close()
     finally:
