@@ -82,16 +82,23 @@ class ChunkBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHUNKS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    output_tokens: _builtins.int
+    """Sampled output tokens (of the recorded sample, choice 0) these chunks carry: counted from
+    token ids when the upstream gives them, else from logprob entries. The dataproxy stamps
+    them with the weight version current as the batch passes (docs/lifecycle.md).
+    """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         chunks: _abc.Iterable[_builtins.bytes] | None = ...,
+        output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "output_tokens", b"output_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
