@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import orjson
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
 
 from protos import dataproxy_pb2, router_pb2
 from services.gateway.backends import BACKENDS, SETTINGS
@@ -81,6 +81,7 @@ BETWEEN_EPISODES = (
     "/rl/start_session with this key starts the next one"
 )
 MODEL_CACHE_S = 30.0
+_LINGER_POLL_S = 0.02
 
 
 class ModelPicker:
@@ -172,10 +173,40 @@ async def _close_sockets(app: web.Application) -> None:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"gateway stopping")
 
 
+def _oversized(ws: web.WebSocketResponse) -> bool:
+    exc = ws.exception()
+    return isinstance(exc, WebSocketError) and exc.code == WSCloseCode.MESSAGE_TOO_BIG
+
+
+class _Socket(web.WebSocketResponse):
+    """aiohttp's socket, except that after a frame over `max_msg_size` (close 1009 sent) it
+    leaves the transport open: closing it with the frame's rest unread would reset the
+    connection, and the client would see 1006 instead of the close frame."""
+
+    def _close_transport(self) -> None:
+        if not _oversized(self):
+            super()._close_transport()
+
+
+async def _linger(request: web.Request, ws: web.WebSocketResponse, limit_s: float) -> None:
+    """After close 1009: the rest of the oversized frame is read and dropped until the client
+    closes (at most `limit_s`), then the transport is closed."""
+    if not _oversized(ws):
+        return
+    log.info("ws_frame_too_large", message=str(ws.exception()))
+    deadline = time.monotonic() + limit_s
+    # aiohttp's connection drops every byte after the parser's error; wait for the client to
+    # hang up. aiohttp offers no event for a lost connection, hence the poll.
+    while request.transport is not None and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(_LINGER_POLL_S)
+    if request.transport is not None:
+        request.transport.close()
+
+
 async def websocket(request: web.Request) -> web.StreamResponse:
     """GET /ws: the upgrade, or 426 with the hint for a plain HTTP client."""
     config = request.app[WS_CONFIG]
-    ws = web.WebSocketResponse(max_msg_size=config.max_payload_bytes, autoping=True)
+    ws = _Socket(max_msg_size=config.max_payload_bytes, autoping=True)
     if not ws.can_prepare(request).ok:
         body = {
             "error": {
@@ -195,6 +226,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         await connection.serve()
     finally:
         await connection.stop()
+    await _linger(request, ws, config.oversize_linger_s)
     return ws
 
 

@@ -72,6 +72,8 @@ class WsConfig:
     # Frames before `connect` are capped lower, as OpenClaw's gateway does.
     preconnect_max_bytes: int = 64 * 1024
     handshake_timeout_s: float = 15.0
+    # After close 1009, how long the rest of the oversized frame is drained before hanging up.
+    oversize_linger_s: float = 5.0
     # The conversation's turn lease, renewed while a run lasts.
     lease_ms: int = 30_000
     # At most one cumulative `chat` delta per run in this interval.

@@ -620,3 +620,25 @@ async def test_a_failed_run_ends_with_chat_error_and_its_seq_keeps_rising(
     # The socket stays usable.
     assert (await client.call("health", {}))["ok"]
     await client.ws.close()
+
+
+async def test_a_frame_over_the_default_25_mib_max_payload_closes_1009_not_a_dropped_connection(
+    stack: Stack, ws_url: str
+) -> None:
+    key = (await _start(stack))["api_key"]
+    client = await open_client(stack.http, ws_url, key)
+    max_payload = client.frames[-1]["payload"]["policy"]["maxPayload"]
+    assert max_payload == 25 * 1024 * 1024
+    # The whole frame is sent (the server drains it) and the close frame is read.
+    await client.ws.send_str("x" * (max_payload + 1))
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        closing = await client.ws.receive(timeout=DEADLINE_S)
+        if closing.type != aiohttp.WSMsgType.TEXT:  # ticks may come first
+            break
+        assert time.monotonic() < deadline
+    assert closing.type == aiohttp.WSMsgType.CLOSE, closing
+    assert closing.data == 1009
+    assert client.ws.close_code == 1009
+    # The server stays up.
+    await (await open_client(stack.http, ws_url, key)).ws.close()
