@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import orjson
 import pytest
 
 from protos import trainer_pb2
@@ -236,3 +237,56 @@ async def test_session_done_accepts_openclaw_rl_truthy_strings(
         done = {"X-Session-Id": "d", "X-Session-Done": value}
         assert (await openclaw_call(c, key, "hi", done, stream=False))[0] == 200
         assert await c.redis.xlen(c.keys.trajectories) == 1
+
+
+async def test_prm_style_rewards_name_each_turn_of_a_header_mode_session(
+    chain: ChainFactory,
+) -> None:
+    async with chain() as c:
+        key = (await issue(c))["api_key"]
+        session = {"Authorization": f"Bearer {key}", "X-Session-Id": "prm"}
+        ids = []
+        for text in ("turn one", "turn two"):
+            status, raw = await openclaw_call(c, key, text, {"X-Session-Id": "prm"}, stream=False)
+            assert status == 200
+            ids.append(orjson.loads(raw)["id"])
+        # A PRM judges each turn once the next state is known: reward each by its id.
+        for interaction_id, reward in zip(ids, (0.25, 0.75), strict=True):
+            async with c.http.post(
+                c.url + "/rl/set_reward",
+                json={"reward": reward, "interaction_id": interaction_id},
+                headers=session,
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["interaction_id"] == interaction_id
+        async with c.http.post(c.url + "/rl/end_session", json={}, headers=session) as resp:
+            assert resp.status == 200
+        (trajectory,) = await trajectories(c)
+        assert trajectory["session_id"] == "prm"
+        rewarded = [(i["interaction_id"], i["reward"]) for i in trajectory["interactions"]]
+        assert rewarded == [(ids[0], 0.25), (ids[1], 0.75)]
+        assert all(i["reward_set"] for i in trajectory["interactions"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openclaw_rl_body_keys_are_stripped_before_the_upstream(
+    chain: ChainFactory, stream: bool
+) -> None:
+    async with chain() as c:
+        key = (await issue(c))["api_key"]
+        extra = {"session_id": "strip", "turn_type": "side", "session_done": False}
+        status, _ = await openclaw_call(c, key, "hi", {}, stream=stream, extra=extra)
+        assert status == 200
+        sent = c.mock.stats.last_body
+        assert sent is not None and sent["messages"][-1]["content"] == "hi"
+        assert not {"session_id", "turn_type", "session_done"} & set(sent)
+        # The body keys still took effect: a side turn of session `strip`, still open.
+        assert await c.redis.xlen(c.keys.trajectories) == 0
+        async with c.http.post(
+            c.url + "/rl/end_session",
+            json={},
+            headers={"Authorization": f"Bearer {key}", "X-Session-Id": "strip"},
+        ) as resp:
+            assert resp.status == 200
+        (trajectory,) = await trajectories(c)
+        assert [i["turn_type"] for i in trajectory["interactions"]] == ["side"]

@@ -43,6 +43,7 @@ class Chain:
     trainer: trainer_pb2_grpc.TrainerStub
     redis: aioredis.Redis
     keys: RedisKeys
+    mock: MockLLM
 
     async def post(
         self, path: str, key: str, body: dict[str, Any]
@@ -117,6 +118,7 @@ def chain(redis_url: str, key_prefix: str, redis_client: aioredis.Redis) -> Chai
                 trainer=trainer_pb2_grpc.TrainerStub(channel),
                 redis=redis_client,
                 keys=RedisKeys(key_prefix),
+                mock=mock,
             )
 
     return make
