@@ -17,7 +17,6 @@ from services.runtime.service_main import service_main
 SERVICE_NAME = "rollgate.v1.Router"
 
 
-
 class StartupError(Exception):
     """The router cannot start; the message says what to fix."""
 
