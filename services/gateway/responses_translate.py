@@ -9,7 +9,6 @@ from typing import Any
 
 import orjson
 
-from services.gateway.responses_upstream import Completion
 from services.runtime.errors import InvalidRequest
 
 # Sampling fields that mean the same in both APIs and pass through unchanged.
@@ -311,23 +310,6 @@ def status_of(finish_reason: str) -> tuple[str, dict[str, str] | None]:
     if finish_reason == "content_filter":
         return "incomplete", {"reason": "content_filter"}
     return "completed", None
-
-
-def output_items(done: Completion, ids: ItemIds, call_ids: list[str]) -> list[dict[str, Any]]:
-    """The output items of a finished answer (`call_ids[i]` is the item id of call i)."""
-    status, _ = status_of(done.finish_reason)
-    items: list[dict[str, Any]] = []
-    if done.reasoning:
-        items.append(reasoning_item(ids, done.reasoning, "completed"))
-    if done.content or not done.tool_calls:
-        items.append(message_item(ids, done.content, "completed"))
-    for call, item_id in zip(done.tool_calls, call_ids, strict=False):
-        items.append(
-            function_call_item(item_id, call.call_id, call.name, call.arguments, "completed")
-        )
-    if items and status == "incomplete":
-        items[-1]["status"] = "incomplete"
-    return items
 
 
 def response_object(

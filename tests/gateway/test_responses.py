@@ -285,3 +285,45 @@ async def test_the_interaction_id_is_the_response_id_and_set_reward_takes_it(
     assert first["reward"] == 0.75 and first["reward_set"] is True
     assert second["interaction_id"].startswith("resp_")
     assert second["reward_set"] is False
+
+
+async def test_a_streamed_function_call_has_the_arguments_event_sequence(
+    stack: Stack, redis_client: aioredis.Redis
+) -> None:
+    key = (await _start(stack))["api_key"]
+    async with client(stack, key) as sdk:
+        stream = await sdk.responses.create(
+            model=MODEL, input="weather in Rome /tool", tools=[WEATHER_TOOL], stream=True
+        )
+        # Any: the SDK's event and item unions are too wide to narrow one by one here.
+        events: list[Any] = [event async for event in stream]
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    call_events = kinds[kinds.index("response.output_item.added") : -1]
+    n_deltas = call_events.count("response.function_call_arguments.delta")
+    assert n_deltas >= 1
+    assert call_events == [
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * n_deltas,
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = events[kinds.index("response.output_item.added")]
+    assert added.item.type == "function_call"
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
+    done = events[kinds.index("response.function_call_arguments.done")]
+    assert done.arguments == arguments
+    assert orjson.loads(arguments) == {"query": "weather in Rome /tool"}
+    item_done = events[kinds.index("response.output_item.done")].item
+    assert item_done.type == "function_call" and item_done.name == "get_weather"
+    assert item_done.arguments == arguments and item_done.status == "completed"
+    final = events[-1].response
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert call.call_id == item_done.call_id
+    [interaction] = (await published(stack, redis_client, key))["interactions"]
+    assert interaction["finish_reason"] == "tool_calls"
+    assert interaction["interaction_id"] == final.id
