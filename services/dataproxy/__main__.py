@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from protos import dataproxy_pb2_grpc, trainer_pb2_grpc
 from services.dataproxy.chat import TurnRunner
-from services.dataproxy.control import CapacityPolicy, Control
+from services.dataproxy.control import CapacityPolicy, Control, WeightVersionView
 from services.dataproxy.conversations_servicer import (
     add_ConversationsServicer_to_server,
     build_conversations,
@@ -58,15 +58,21 @@ def build_dataproxy(
     redis: aioredis.Redis,
     settings: DataProxySettings,
     channels: ChannelPool,
+    versions: WeightVersionView,
     store: SessionStore | None = None,
     control: Control | None = None,
 ) -> DataProxyServicer:
-    """The DataProxy servicer over one Redis client and one worker channel pool."""
+    """The DataProxy servicer over one Redis client, one worker channel pool and the
+    process's weight-version view."""
     store = store or build_store(redis=redis, settings=settings)
     keys = RedisKeys(settings.redis_prefix)
     control = control or build_control(redis=redis, keys=keys, settings=settings)
     turns = TurnRunner(
-        store=store, channels=channels, turn_timeout_s=settings.turn_timeout_s, control=control
+        store=store,
+        channels=channels,
+        turn_timeout_s=settings.turn_timeout_s,
+        control=control,
+        versions=versions,
     )
     return DataProxyServicer(store=store, turns=turns)
 
@@ -87,6 +93,9 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             ) from err
         channels = await stack.enter_async_context(ChannelPool())
         keys = RedisKeys(settings.redis_prefix)
+        # One subscriber per process follows SetWeightVersion of every replica (streamed
+        # turns stamp each chunk's tokens with it).
+        versions = await stack.enter_async_context(WeightVersionView(redis=redis, keys=keys))
         # Trims the trajectories stream below what every consumer group has acked.
         await stack.enter_async_context(StreamTrimmer(redis=redis, keys=keys))
         control = build_control(redis=redis, keys=keys, settings=settings)
@@ -103,7 +112,12 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         )
         dataproxy_pb2_grpc.add_DataProxyServicer_to_server(
             build_dataproxy(
-                redis=redis, settings=settings, channels=channels, store=store, control=control
+                redis=redis,
+                settings=settings,
+                channels=channels,
+                versions=versions,
+                store=store,
+                control=control,
             ),
             server.server,
         )

@@ -12,9 +12,15 @@ from dataclasses import dataclass
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from services.dataproxy.control import Control, TurnLease
+from services.dataproxy.control import Control, TurnLease, WeightVersionView
 from services.dataproxy.sessions import ActiveEpisode, SessionStore
-from services.dataproxy.turns import encode_turn
+from services.dataproxy.turns import (
+    VERSIONS_AT_ADMISSION,
+    VERSIONS_UNCOUNTED,
+    encode_turn,
+    output_length,
+    per_token_versions,
+)
 from services.runtime.errors import InvalidRequest, UpstreamError, from_rpc_error
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.logs import get_logger
@@ -52,6 +58,39 @@ class RecordedTurn:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TokenVersions:
+    """The version of each output token of a turn, or None: all carry the admission version."""
+
+    versions: list[int] | None
+    # Why `versions` is None: VERSIONS_AT_ADMISSION (non-streaming) or VERSIONS_UNCOUNTED.
+    fallback: str = VERSIONS_AT_ADMISSION
+
+
+class VersionSpans:
+    """(tokens, version) of a streamed turn's chunks, in order, as they pass the dataproxy."""
+
+    def __init__(self, *, view: WeightVersionView, admitted: int) -> None:
+        self._view = view
+        self._admitted = admitted
+        self._spans: list[tuple[int, int]] = []
+
+    def add(self, tokens: int) -> None:
+        """Stamps `tokens` with the current version (never older than the admission one)."""
+        if tokens <= 0:
+            return
+        version = max(self._view.current, self._admitted)
+        if self._spans and self._spans[-1][1] == version:
+            self._spans[-1] = (self._spans[-1][0] + tokens, version)
+        else:
+            self._spans.append((tokens, version))
+
+    def for_record(self, record: common_pb2.TurnRecord) -> TokenVersions:
+        """One version per output token, or the uncounted fallback if the counts disagree."""
+        versions = per_token_versions(self._spans, output_length(record))
+        return TokenVersions(versions=versions, fallback=VERSIONS_UNCOUNTED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompletedTurn:
     """A recorded non-streaming turn and the body the client gets."""
 
@@ -69,11 +108,13 @@ class TurnRunner:
         channels: ChannelPool,
         turn_timeout_s: float,
         control: Control,
+        versions: WeightVersionView,
     ) -> None:
         self._store = store
         self._channels = channels
         self._turn_timeout_s = turn_timeout_s
         self._control = control
+        self._versions = versions
 
     async def stream(
         self, request: TurnRequest
@@ -85,9 +126,12 @@ class TurnRunner:
             stub, generate = self._generate_request(request, episode)
             call = stub.Generate(generate, timeout=self._turn_timeout_s)
             record: common_pb2.TurnRecord | None = None
+            spans = VersionSpans(view=self._versions, admitted=episode.weight_version)
             try:
                 async for message in call:
                     if message.HasField("chunks"):
+                        # Stamped as the batch passes, before the client sees it.
+                        spans.add(message.chunks.output_tokens)
                         yield list(message.chunks.chunks)
                     elif message.HasField("record"):
                         record = message.record
@@ -98,7 +142,7 @@ class TurnRunner:
                 call.cancel()
             if record is None:
                 raise UpstreamError("the worker ended the turn without a token record")
-            turn = await self._record(episode, record, request)
+            turn = await self._record(episode, record, request, spans.for_record(record))
             recorded = True
             yield turn
         finally:
@@ -119,7 +163,10 @@ class TurnRunner:
             except asyncio.CancelledError:
                 call.cancel()
                 raise
-            turn = await self._record(episode, response.record, request)
+            # Nothing says where in the answer a version change fell: all tokens get admission's.
+            turn = await self._record(
+                episode, response.record, request, TokenVersions(versions=None)
+            )
             recorded = True
         finally:
             if not recorded:
@@ -174,7 +221,11 @@ class TurnRunner:
         return stub, generate
 
     async def _record(
-        self, episode: ActiveEpisode, record: common_pb2.TurnRecord, request: TurnRequest
+        self,
+        episode: ActiveEpisode,
+        record: common_pb2.TurnRecord,
+        request: TurnRequest,
+        versions: TokenVersions,
     ) -> RecordedTurn:
         if request.interaction_id:
             record.interaction_id = request.interaction_id
@@ -191,6 +242,8 @@ class TurnRunner:
                 weight_version_end=version_end,
                 now=now,
                 turn_type=request.turn_type,
+                output_versions=versions.versions,
+                output_versions_source=versions.fallback,
             ),
         )
         log.info(
@@ -201,7 +254,14 @@ class TurnRunner:
             request_id=request.request_id,
             output_tokens=len(record.output_token_ids),
             finish_reason=record.finish_reason,
+            per_token_versions=versions.versions is not None,
         )
+        if versions.versions is None and versions.fallback == VERSIONS_UNCOUNTED:
+            log.warning(
+                "turn_versions_uncounted",
+                interaction_id=record.interaction_id,
+                output_tokens=output_length(record),
+            )
         if request.session_done and episode.client_session_id:
             await self._store.end_after_turn(episode)
         return RecordedTurn(

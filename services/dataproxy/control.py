@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
@@ -27,6 +30,11 @@ POLL_MAX_S = 0.25
 # Every call that leaves the process has a deadline.
 COMMAND_TIMEOUT_S = 5.0
 UNLIMITED = -1
+# The weight-version view re-reads the key this often even when no message arrives (a
+# message lost while the subscription reconnected is then late by at most this much).
+VERSION_REREAD_S = 1.0
+# After a failed subscription or read, wait this long before trying again.
+VERSION_RETRY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,3 +228,91 @@ class Control:
             in_flight=int(running),
             join_rate=int(joined or 0) / could_join if could_join > 0 else 0.0,
         )
+
+
+class WeightVersionView:
+    """This process's view of `P weight_version`, following every replica's SetWeightVersion.
+
+    Streamed turns stamp each chunk's tokens with `current`, so reading it must cost nothing
+    per chunk. SetWeightVersion publishes the new version on the channel named like the key
+    (pub/sub channels and keys are separate namespaces) in the same script that sets it; one
+    background task per process subscribes, so a change reaches every replica within a
+    round trip instead of a poll interval (a 50 ms poll would mis-stamp up to 50 ms of tokens
+    and cost 20 reads a second per replica). Pub/sub is fire-and-forget, so the task also
+    re-reads the key every `reread_s` and after each (re)subscription: a message missed while
+    reconnecting is caught within a second. Versions only move forward, so the view keeps the
+    highest it has seen and an old reply can never move it back.
+    """
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        reread_s: float = VERSION_REREAD_S,
+        retry_s: float = VERSION_RETRY_S,
+    ) -> None:
+        self._redis = redis
+        self._key = keys.weight_version
+        self._reread_s = reread_s
+        self._retry_s = retry_s
+        self._current = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def current(self) -> int:
+        """The highest weight version seen (no I/O)."""
+        return self._current
+
+    def advance(self, version: int) -> None:
+        """Moves the view to `version` unless it already holds a higher one."""
+        if version > self._current:
+            log.info("weight_version_seen", version=version, previous=self._current)
+            self._current = version
+
+    async def __aenter__(self) -> WeightVersionView:
+        await self._reread()
+        self._task = asyncio.create_task(self._follow(), name="weight-version-view")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _reread(self) -> None:
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            raw = await self._redis.get(self._key)
+        self.advance(int(raw or 0))
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self._subscribed()
+            except (RedisError, OSError, TimeoutError, ValueError) as err:
+                log.warning("weight_version_view_retry", error=f"{type(err).__name__}: {err}")
+                await asyncio.sleep(self._retry_s)
+
+    async def _subscribed(self) -> None:
+        async with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+            async with asyncio.timeout(COMMAND_TIMEOUT_S):
+                await pubsub.subscribe(self._key)
+            # Anything set before the subscription took effect is read here.
+            await self._reread()
+            next_read = time.monotonic() + self._reread_s
+            while True:
+                left = max(0.0, next_read - time.monotonic())
+                async with asyncio.timeout(left + COMMAND_TIMEOUT_S):
+                    message = await pubsub.get_message(timeout=left)
+                if message is not None and message.get("type") == "message":
+                    self.advance(int(message["data"]))
+                if time.monotonic() >= next_read:
+                    await self._reread()
+                    next_read = time.monotonic() + self._reread_s

@@ -193,6 +193,8 @@ def _interaction(
         "output_token_ids": turn.output_ids,
         "output_logprobs": logprobs,
         "output_versions": _output_versions(record, n_output),
+        # "chunks": stamped per streamed chunk; else every token has the admission version.
+        "output_versions_source": _versions_source(record, n_output),
         # The version when the turn finished (≠ its tokens' only if weights changed unpaused).
         "weight_version_end": int(
             record.get("weight_version_end", record.get("weight_version", 0)) or 0
@@ -238,6 +240,14 @@ def _output_versions(record: Mapping[str, Any], n_output: int) -> bytes:
     if packed and len(packed) == n_output * 4:
         return packed
     return _INT32.pack(int(record.get("weight_version", 0) or 0)) * n_output
+
+
+def _versions_source(record: Mapping[str, Any], n_output: int) -> str:
+    """How `output_versions` was made (records written before per-token versions: admission)."""
+    source = str(record.get("output_versions_source") or "admission")
+    if source == "chunks" and len(bytes(record.get("output_versions") or b"")) != n_output * 4:
+        return "admission"  # not one version per token: `_output_versions` did not use them
+    return source
 
 
 def _json_object(raw: Any) -> dict[str, Any]:
@@ -302,12 +312,15 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
 return n
 """
 
-# Weight versions only move forward; repeating the current one is a no-op.
+# Weight versions only move forward; repeating the current one is a no-op. The new version
+# is published on the channel named like the key, which every replica's WeightVersionView
+# follows (services/dataproxy/control.py) to stamp streamed tokens as they pass.
 _SET_VERSION_LUA = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 local wanted = tonumber(ARGV[1])
 if wanted < current then return {0, tostring(current)} end
 redis.call('SET', KEYS[1], ARGV[1])
+redis.call('PUBLISH', KEYS[1], ARGV[1])
 return {1, ARGV[1]}
 """
 

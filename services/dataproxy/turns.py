@@ -47,6 +47,30 @@ def unpack_float32(data: bytes) -> list[float]:
     return values.tolist()
 
 
+# Where a turn record's per-token versions come from (`output_versions_source`).
+VERSIONS_FROM_CHUNKS = "chunks"  # streamed: each chunk's tokens carry the version as it passed
+VERSIONS_AT_ADMISSION = "admission"  # non-streaming: every token carries the admission version
+# Streamed, but the chunks' token counts did not add up to the output (an upstream that
+# sends no per-chunk ids or logprobs): every token carries the admission version.
+VERSIONS_UNCOUNTED = "admission_uncounted"
+
+
+def output_length(record: common_pb2.TurnRecord) -> int:
+    """Output tokens as the trajectory counts them: the ids, else the logprobs."""
+    return len(record.output_token_ids) or len(record.output_logprobs)
+
+
+def per_token_versions(spans: Sequence[tuple[int, int]], n_output: int) -> list[int] | None:
+    """One version per output token from ordered (tokens, version) spans; None unless the
+    spans cover exactly `n_output` tokens (nothing is padded or cut to make them fit)."""
+    if sum(tokens for tokens, _ in spans) != n_output:
+        return None
+    versions: list[int] = []
+    for tokens, version in spans:
+        versions.extend([version] * tokens)
+    return versions
+
+
 def encode_turn(
     record: common_pb2.TurnRecord,
     *,
@@ -54,12 +78,15 @@ def encode_turn(
     now: float,
     weight_version_end: int | None = None,
     turn_type: str = "main",
+    output_versions: Sequence[int] | None = None,
+    output_versions_source: str = VERSIONS_AT_ADMISSION,
 ) -> bytes:
     """The msgpack turn record of docs/internals.md; JSON fields stay bytes.
 
-    `weight_version` is the version when the turn was admitted (every token is stamped with
-    it); `weight_version_end` the version when it finished (differs only when the trainer
-    changed weights without pausing submission first).
+    `weight_version` is the version when the turn was admitted; `weight_version_end` the
+    version when it finished (differs only when the trainer changed weights without pausing
+    submission first). `output_versions`, one per output token, is the version each token
+    was sampled under (streamed turns); without it every token carries `weight_version`.
     """
     data: bytes = msgpack.packb(
         {
@@ -84,6 +111,14 @@ def encode_turn(
             else weight_version_end,
             # "main", or "side" (X-Turn-Type: heartbeats, memory flushes; left out of training).
             "turn_type": turn_type,
+            **(
+                {"output_versions": pack_int32(output_versions)}
+                if output_versions is not None
+                else {}
+            ),
+            "output_versions_source": output_versions_source
+            if output_versions is None
+            else VERSIONS_FROM_CHUNKS,
             # Group sampling (G > 1): samples 1..G-1 of the same call; absent when G = 1.
             **({"extra_samples": _samples(record.extra_samples)} if record.extra_samples else {}),
         },

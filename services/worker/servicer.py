@@ -65,7 +65,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         yield worker_pb2.GenerateResponse(record=turn_record(event))
                     else:
                         yield worker_pb2.GenerateResponse(
-                            chunks=worker_pb2.ChunkBatch(chunks=event)
+                            chunks=worker_pb2.ChunkBatch(
+                                chunks=event.chunks, output_tokens=event.output_tokens
+                            )
                         )
         except RollgateError as err:
             _log_failure(request, err)

@@ -38,6 +38,16 @@ log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StreamBatch:
+    """Client chunks that arrived together, and the sampled output tokens they carry."""
+
+    chunks: list[bytes]
+    # Tokens of sample 0 (the recorded one) in these chunks: ids when the upstream gives
+    # them, else logprob entries. The dataproxy stamps them with the current weight version.
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompletedTurn:
     """A non-streaming turn: the body for the client and the record."""
 
@@ -105,6 +115,14 @@ class _Group:
     def read_completion(self, body: dict[str, Any]) -> None:
         for index, part in split_choices(body).items():
             self._adapter.read_completion(part, self._acc(index))
+
+    def sampled_tokens(self) -> int:
+        """Output tokens of sample 0 so far: its token ids if the upstream gives them, else
+        its logprob entries (the record's `output_token_ids` / `output_logprobs`)."""
+        main = self.main
+        if main.output_token_ids is not None:
+            return len(main.output_token_ids)
+        return len(main.logprobs)
 
     def finished(self) -> bool:
         return all(acc.finish_reason for acc in self.samples.values())
@@ -259,8 +277,11 @@ class TurnRunner:
 
     async def stream(
         self, body_json: bytes, *, budget_s: float, request_id: str = ""
-    ) -> AsyncGenerator[list[bytes] | TurnResult, None]:
+    ) -> AsyncGenerator[StreamBatch | TurnResult, None]:
         """Batches of client chunks as they arrive, then the turn's record; raises RollgateError.
+
+        Each batch says how many sampled tokens it carries (also when no chunk of it is for
+        the client), so the dataproxy can stamp every token with the version it ran under.
 
         `abort(request_id)` ends the upstream call early: the last chunk then says
         finish_reason "abort" and the record holds the tokens sampled so far.
@@ -281,6 +302,7 @@ class TurnRunner:
                     async with contextlib.aclosing(_until_set(events, aborted)) as batches:
                         async for payloads in batches:
                             batch: list[bytes] = []
+                            sampled_before = group.sampled_tokens()
                             for payload in payloads:
                                 if payload == DONE:
                                     done = True
@@ -292,13 +314,16 @@ class TurnRunner:
                                     view = client_chunk(chunk, request.ask)
                                     if view is not None:
                                         batch.append(orjson.dumps(view))
-                            if batch:
-                                yield batch
+                            tokens = group.sampled_tokens() - sampled_before
+                            if batch or tokens:
+                                yield StreamBatch(chunks=batch, output_tokens=tokens)
                             if done:
                                 break
                 if aborted.is_set() and not done and not group.finished():
                     group.abort()
-                    yield [orjson.dumps(_abort_chunk(group.main))]
+                    yield StreamBatch(
+                        chunks=[orjson.dumps(_abort_chunk(group.main))], output_tokens=0
+                    )
             if not done and not group.finished():
                 raise UpstreamError(
                     "the upstream ended its stream before the answer was complete",

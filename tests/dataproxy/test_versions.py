@@ -1,0 +1,305 @@
+"""Per-token weight versions: a real worker over the mock LLM and two real dataproxy replicas.
+
+Turns stream through replica A; the trainer moves the version through replica B's Trainer
+service, so A learns of it only through Redis (its WeightVersionView).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import msgpack  # type: ignore[import-untyped]
+import orjson
+import redis.asyncio as aioredis
+
+from protos import common_pb2, dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from rollgate.mock_llm import MockLLM
+from services.dataproxy.__main__ import serving
+from services.dataproxy.control import WeightVersionView
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.trajectory import EpisodeInfo, TrajectoryStream, build_trajectory
+from services.dataproxy.turns import (
+    VERSIONS_UNCOUNTED,
+    encode_turn,
+    per_token_versions,
+    unpack_int32,
+)
+from services.runtime.grpc_client import open_channel
+from services.runtime.keys import key_digest, key_id_of
+from tests.dataproxy.test_chat import ADMIN_KEY, RPC_TIMEOUT_S
+from tests.worker.harness import running_worker
+
+AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
+# Long enough that the reply streams for about a second at the token interval below.
+LONG_TEXT = " ".join(f"word{i}" for i in range(20))
+TOKEN_INTERVAL_MS = 40.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replicas:
+    """Replica A (DataProxy: the turns), replica B (Trainer), one worker, and Redis."""
+
+    chat: dataproxy_pb2_grpc.DataProxyStub
+    trainer: trainer_pb2_grpc.TrainerStub
+    worker_address: str
+    redis: aioredis.Redis
+    keys: RedisKeys
+
+    async def start(self) -> str:
+        started = await self.chat.StartSession(
+            dataproxy_pb2.StartSessionRequest(task_id="versions"), timeout=RPC_TIMEOUT_S
+        )
+        return key_digest(started.api_key)
+
+    def request(self, digest: str, **body: Any) -> dataproxy_pb2.ChatRequest:
+        payload = {"model": "rollgate-mock", "messages": [{"role": "user", "content": LONG_TEXT}]}
+        return dataproxy_pb2.ChatRequest(
+            key_digest=digest,
+            worker_address=self.worker_address,
+            body_json=orjson.dumps(payload | body),
+            request_id="req-versions",
+        )
+
+    async def set_version(self, version: int) -> None:
+        await self.trainer.SetWeightVersion(
+            trainer_pb2.SetWeightVersionRequest(version=version), metadata=AUTH, timeout=5
+        )
+
+    async def turns(self, digest: str) -> list[dict[str, Any]]:
+        key: Any = await self.redis.hgetall(self.keys.key(digest))
+        raw = await self.redis.lrange(
+            self.keys.turns(key_id_of(digest), key[b"episode"].decode()), 0, -1
+        )
+        return [msgpack.unpackb(item, raw=False) for item in raw]
+
+    async def published(self, digest: str) -> dict[str, Any]:
+        """Ends the episode and returns its published trajectory."""
+        ended = await self.chat.EndSession(
+            dataproxy_pb2.EndSessionRequest(key_digest=digest), timeout=RPC_TIMEOUT_S
+        )
+        entries: Any = await self.redis.xrange(self.keys.trajectories)
+        for _, fields in entries:
+            if fields[b"trajectory_id"] == ended.trajectory_id.encode():
+                trajectory: dict[str, Any] = msgpack.unpackb(fields[b"data"], raw=False)
+                return trajectory
+        raise AssertionError("the trajectory was not published")
+
+
+def settings(redis_url: str, key_prefix: str) -> DataProxySettings:
+    return DataProxySettings(
+        host="127.0.0.1",
+        port=0,
+        redis_url=redis_url,
+        redis_prefix=key_prefix,
+        admin_key=ADMIN_KEY,
+        turn_timeout_s=30.0,
+        grace_s=2.0,
+    )
+
+
+@contextlib.asynccontextmanager
+async def replicas(
+    redis_url: str, key_prefix: str, *, latency_ms: float = 0.0
+) -> AsyncIterator[Replicas]:
+    async with contextlib.AsyncExitStack() as stack:
+        mock = await stack.enter_async_context(
+            MockLLM(port=0, token_interval_ms=TOKEN_INTERVAL_MS, latency_ms=latency_ms)
+        )
+        worker = await stack.enter_async_context(running_worker(mock.base_url, timeout_s=30.0))
+        replica_a = await stack.enter_async_context(serving(settings(redis_url, key_prefix)))
+        replica_b = await stack.enter_async_context(serving(settings(redis_url, key_prefix)))
+        channel_a = open_channel(f"127.0.0.1:{replica_a.port}")
+        stack.push_async_callback(channel_a.close)
+        channel_b = open_channel(f"127.0.0.1:{replica_b.port}")
+        stack.push_async_callback(channel_b.close)
+        redis = aioredis.Redis.from_url(redis_url)
+        stack.push_async_callback(redis.aclose)
+        yield Replicas(
+            chat=dataproxy_pb2_grpc.DataProxyStub(channel_a),
+            trainer=trainer_pb2_grpc.TrainerStub(channel_b),
+            worker_address=worker.address,
+            redis=redis,
+            keys=RedisKeys(key_prefix),
+        )
+
+
+def tokens_in(message: dataproxy_pb2.ChatResponse) -> int:
+    """Sampled tokens the client saw in one chunk message (one logprob entry per token)."""
+    count = 0
+    for raw in message.chunks.chunks:
+        for choice in orjson.loads(raw).get("choices") or []:
+            logprobs = choice.get("logprobs") or {}
+            count += len(logprobs.get("content") or [])
+    return count
+
+
+async def eventually(check: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_version_change_mid_stream_stamps_early_tokens_old_and_later_tokens_new(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with replicas(redis_url, key_prefix) as stack:
+        await stack.set_version(3)
+        digest = await stack.start()
+        call = stack.chat.Chat(
+            stack.request(digest, stream=True, logprobs=True), timeout=RPC_TIMEOUT_S
+        )
+        seen_before = 0
+        while seen_before < 3:
+            message = await call.read()
+            assert message.WhichOneof("kind") == "chunks"
+            seen_before += tokens_in(message)
+        # Not paused first: the version moves under the running turn, through the other replica.
+        await stack.set_version(4)
+        rest = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            rest.append(message)
+
+        assert rest[-1].WhichOneof("kind") == "done"
+        (turn,) = await stack.turns(digest)
+        output_ids = unpack_int32(turn["output_token_ids"])
+        versions = unpack_int32(turn["output_versions"])
+        trajectory = await stack.published(digest)
+
+    assert turn["output_versions_source"] == "chunks"
+    assert len(versions) == len(output_ids)
+    old = versions.count(3)
+    # In order: the old version on a prefix, the new one on the rest, nothing else.
+    assert versions == [3] * old + [4] * (len(versions) - old)
+    # Every token the client saw before SetWeightVersion was sampled under the old weights...
+    assert old >= seen_before
+    # ...and the tokens streamed well after it carry the new one.
+    assert versions[-1] == 4
+    assert (turn["weight_version"], turn["weight_version_end"]) == (3, 4)
+    (interaction,) = trajectory["interactions"]
+    assert unpack_int32(interaction["output_versions"]) == versions
+    assert interaction["output_versions_source"] == "chunks"
+    assert trajectory["weight_versions"] == [3, 4]
+
+
+async def test_a_streamed_turn_without_a_version_change_records_one_version_throughout(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with replicas(redis_url, key_prefix) as stack:
+        await stack.set_version(5)
+        digest = await stack.start()
+        call = stack.chat.Chat(stack.request(digest, stream=True), timeout=RPC_TIMEOUT_S)
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        (turn,) = await stack.turns(digest)
+        trajectory = await stack.published(digest)
+
+    output_ids = unpack_int32(turn["output_token_ids"])
+    assert output_ids
+    assert turn["output_versions_source"] == "chunks"
+    assert unpack_int32(turn["output_versions"]) == [5] * len(output_ids)
+    (interaction,) = trajectory["interactions"]
+    assert unpack_int32(interaction["output_versions"]) == [5] * len(output_ids)
+    assert trajectory["weight_versions"] == [5]
+
+
+async def test_a_non_streaming_turn_keeps_the_admission_version_and_records_the_end_version(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with replicas(redis_url, key_prefix, latency_ms=400.0) as stack:
+        await stack.set_version(1)
+        digest = await stack.start()
+        running = asyncio.ensure_future(
+            stack.chat.Complete(stack.request(digest), timeout=RPC_TIMEOUT_S)
+        )
+        # Admitted (its in-flight lease exists) while the mock still holds the answer back.
+        deadline = time.monotonic() + 5.0
+        while not await stack.redis.zcard(stack.keys.in_flight):
+            assert time.monotonic() < deadline and not running.done()
+            await asyncio.sleep(0.01)
+        await stack.set_version(2)
+        await running
+        (turn,) = await stack.turns(digest)
+        trajectory = await stack.published(digest)
+
+    assert "output_versions" not in turn
+    assert turn["output_versions_source"] == "admission"
+    assert (turn["weight_version"], turn["weight_version_end"]) == (1, 2)
+    (interaction,) = trajectory["interactions"]
+    n_output = len(unpack_int32(interaction["output_token_ids"]))
+    assert n_output > 0
+    assert unpack_int32(interaction["output_versions"]) == [1] * n_output
+    assert interaction["output_versions_source"] == "admission"
+    assert interaction["weight_version_end"] == 2
+
+
+async def test_the_view_follows_set_weight_version_from_any_client(
+    redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    keys = RedisKeys(key_prefix)
+    # A long re-read interval: only the published message can move the view in time.
+    async with WeightVersionView(redis=redis_client, keys=keys, reread_s=60.0) as view:
+        assert view.current == 0
+        await TrajectoryStream(redis=redis_client, keys=keys).set_weight_version(7)
+        await eventually(lambda: view.current == 7, timeout_s=2.0)
+
+
+async def test_the_view_catches_a_change_it_was_not_told_about_by_rereading(
+    redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    keys = RedisKeys(key_prefix)
+    await redis_client.set(keys.weight_version, 2)
+    async with WeightVersionView(redis=redis_client, keys=keys, reread_s=0.05) as view:
+        assert view.current == 2  # read on entry
+        await redis_client.set(keys.weight_version, 9)  # no message published
+        await eventually(lambda: view.current == 9, timeout_s=2.0)
+
+
+def test_the_view_never_moves_backwards() -> None:
+    view = WeightVersionView(redis=aioredis.Redis(), keys=RedisKeys("unused:"))
+    view.advance(4)
+    view.advance(2)
+    assert view.current == 4
+
+
+def test_chunk_counts_that_do_not_add_up_fall_back_to_the_admission_version() -> None:
+    assert per_token_versions([(2, 3), (1, 4)], 3) == [3, 3, 4]
+    assert per_token_versions([(2, 3), (1, 4)], 4) is None
+    assert per_token_versions([], 3) is None
+    record = common_pb2.TurnRecord(
+        interaction_id="chatcmpl-1",
+        output_token_ids=[11, 12, 13],
+        output_logprobs=[-0.1, -0.2, -0.3],
+        exact_tokens=True,
+    )
+    raw = encode_turn(
+        record,
+        weight_version=3,
+        weight_version_end=4,
+        now=time.time(),
+        output_versions=None,
+        output_versions_source=VERSIONS_UNCOUNTED,
+    )
+    info = EpisodeInfo(
+        trajectory_id="t-1",
+        session_id="s-1",
+        task_id="task",
+        key_id="k",
+        episode="s-1",
+        started_at=0.0,
+        ended_at=1.0,
+        end_reason="end_session",
+    )
+
+    (interaction,) = build_trajectory(info, [raw], {})["interactions"]
+
+    assert unpack_int32(interaction["output_versions"]) == [3, 3, 3]
+    assert interaction["output_versions_source"] == VERSIONS_UNCOUNTED
+    assert interaction["weight_version_end"] == 4
