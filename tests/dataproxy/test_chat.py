@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,14 +12,9 @@ import grpc
 import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
-import redis.asyncio as aioredis
 
-from protos import dataproxy_pb2, dataproxy_pb2_grpc, worker_pb2_grpc
-from rollgate.mock_llm import MockLLM
+from protos import dataproxy_pb2
 from rollgate.redis_server import free_port
-from services.dataproxy.__main__ import serving
-from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.turns import unpack_float32, unpack_int32
 from services.runtime.errors import (
     RollgateError,
@@ -28,28 +22,20 @@ from services.runtime.errors import (
     UpstreamTimeout,
     from_rpc_error,
 )
-from services.runtime.grpc_client import open_channel
-from services.runtime.grpc_server import GrpcServer, ServerSpec
-from services.runtime.keys import key_digest, key_id_of
-from services.worker.adapters import adapter_for
-from services.worker.servicer import WorkerServicer
-from services.worker.turns import TurnRunner as WorkerTurnRunner
-from services.worker.upstream import UpstreamClient
-
-ADMIN_KEY = "admin-test-key-0123456789"
-RPC_TIMEOUT_S = 10.0
+from services.runtime.keys import key_digest
+from tests.harness.inprocess import (
+    ADMIN_KEY,
+    RPC_TIMEOUT_S,
+    DataproxyChain,
+    collect,
+    eventually,
+    running_dataproxy_chain,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Stack:
+class Stack(DataproxyChain):
     """A dataproxy and a worker (over the mock LLM) on port 0, and what tests look at."""
-
-    dataproxy: Any
-    dataproxy_server: GrpcServer
-    worker_address: str
-    mock: MockLLM
-    redis: aioredis.Redis
-    keys: RedisKeys
 
     async def start(self) -> tuple[str, str]:
         """A new session: (api key, key digest)."""
@@ -67,62 +53,21 @@ class Stack:
             request_id="req-1",
         )
 
-    async def turns(self, digest: str) -> list[dict[str, Any]]:
-        """The recorded turn records of the key's current (or given) episode."""
-        key: Any = await self.redis.hgetall(self.keys.key(digest))
-        episode = key[b"episode"].decode()
-        raw = await self.redis.lrange(self.keys.turns(key_id_of(digest), episode), 0, -1)
-        return [msgpack.unpackb(item, raw=False) for item in raw]
 
-
-@contextlib.asynccontextmanager
-async def running_stack(
+def running_stack(
     redis_url: str,
     key_prefix: str,
     *,
     token_interval_ms: float = 0.0,
     turn_timeout_s: float = 30.0,
-) -> AsyncIterator[Stack]:
-    settings = DataProxySettings(
-        host="127.0.0.1",
-        port=0,
-        redis_url=redis_url,
-        redis_prefix=key_prefix,
-        admin_key=ADMIN_KEY,
+) -> contextlib.AbstractAsyncContextManager[Stack]:
+    return running_dataproxy_chain(
+        redis_url,
+        key_prefix,
+        chain_type=Stack,
+        token_interval_ms=token_interval_ms,
         turn_timeout_s=turn_timeout_s,
-        grace_s=2.0,
     )
-    async with contextlib.AsyncExitStack() as stack:
-        mock = await stack.enter_async_context(MockLLM(port=0, token_interval_ms=token_interval_ms))
-        upstream = await stack.enter_async_context(
-            UpstreamClient(base_url=mock.base_url, api_key="")
-        )
-        worker_server = GrpcServer(
-            ServerSpec(
-                name="worker", host="127.0.0.1", port=0, service_names=("rollgate.v1.Worker",)
-            )
-        )
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(
-                WorkerTurnRunner(upstream=upstream, adapter=adapter_for("vllm")),
-                upstream_timeout_s=30.0,
-            ),
-            worker_server.server,
-        )
-        await stack.enter_async_context(worker_server)
-        dataproxy_server = await stack.enter_async_context(serving(settings))
-        channel = open_channel(f"127.0.0.1:{dataproxy_server.port}")
-        stack.push_async_callback(channel.close)
-        redis = aioredis.Redis.from_url(redis_url)
-        stack.push_async_callback(redis.aclose)
-        yield Stack(
-            dataproxy=dataproxy_pb2_grpc.DataProxyStub(channel),
-            dataproxy_server=dataproxy_server,
-            worker_address=f"127.0.0.1:{worker_server.port}",
-            mock=mock,
-            redis=redis,
-            keys=RedisKeys(key_prefix),
-        )
 
 
 @pytest.fixture
@@ -136,21 +81,6 @@ async def rpc_error(call: Awaitable[Any]) -> RollgateError:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call
     return from_rpc_error(caught.value, hop="dataproxy")
-
-
-async def collect(call: Any) -> list[dataproxy_pb2.ChatResponse]:
-    """Every message of a streaming call (read with `read`, so a test may read some first)."""
-    messages = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        messages.append(message)
-    return messages
-
-
-async def eventually(check: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_complete_records_the_turn_with_ids_and_logprobs_before_returning(

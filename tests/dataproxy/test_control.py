@@ -5,44 +5,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import msgpack  # type: ignore[import-untyped]
 import pytest
-import redis.asyncio as aioredis
 
-from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2, trainer_pb2_grpc, worker_pb2_grpc
-from rollgate.mock_llm import MockLLM
-from services.dataproxy.__main__ import serving
+from protos import dataproxy_pb2, trainer_pb2
 from services.dataproxy.control import PAUSED_MESSAGE
-from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.settings import DataProxySettings
 from services.runtime.errors import Unavailable, from_rpc_error
-from services.runtime.grpc_client import open_channel
-from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.keys import key_digest
-from services.worker.adapters import adapter_for
-from services.worker.servicer import WorkerServicer
-from services.worker.turns import TurnRunner as WorkerTurnRunner
-from services.worker.upstream import UpstreamClient
-from tests.dataproxy.test_chat import ADMIN_KEY, RPC_TIMEOUT_S, collect
+from tests.harness.inprocess import (
+    ADMIN_KEY,
+    RPC_TIMEOUT_S,
+    DataproxyChain,
+    collect,
+    running_dataproxy_chain,
+)
 
 AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Proxy:
+class Proxy(DataproxyChain):
     """A dataproxy (with its Trainer service) and a worker over the mock LLM."""
-
-    dataproxy: dataproxy_pb2_grpc.DataProxyStub
-    trainer: trainer_pb2_grpc.TrainerStub
-    worker_address: str
-    redis: aioredis.Redis
-    keys: RedisKeys
-    mock: MockLLM
 
     async def start(self, **fields: Any) -> dataproxy_pb2.StartSessionResponse:
         reply: dataproxy_pb2.StartSessionResponse = await self.dataproxy.StartSession(
@@ -74,51 +61,12 @@ class Proxy:
         return reply
 
 
-@contextlib.asynccontextmanager
-async def running_proxy(
+def running_proxy(
     redis_url: str, key_prefix: str, *, token_interval_ms: float = 0.0, **overrides: Any
-) -> AsyncIterator[Proxy]:
-    settings = DataProxySettings(
-        host="127.0.0.1",
-        port=0,
-        redis_url=redis_url,
-        redis_prefix=key_prefix,
-        admin_key=ADMIN_KEY,
-        turn_timeout_s=30.0,
-        grace_s=2.0,
-        **overrides,
+) -> contextlib.AbstractAsyncContextManager[Proxy]:
+    return running_dataproxy_chain(
+        redis_url, key_prefix, chain_type=Proxy, token_interval_ms=token_interval_ms, **overrides
     )
-    async with contextlib.AsyncExitStack() as stack:
-        mock = await stack.enter_async_context(MockLLM(port=0, token_interval_ms=token_interval_ms))
-        upstream = await stack.enter_async_context(
-            UpstreamClient(base_url=mock.base_url, api_key="")
-        )
-        worker_server = GrpcServer(
-            ServerSpec(
-                name="worker", host="127.0.0.1", port=0, service_names=("rollgate.v1.Worker",)
-            )
-        )
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(
-                WorkerTurnRunner(upstream=upstream, adapter=adapter_for("vllm")),
-                upstream_timeout_s=30.0,
-            ),
-            worker_server.server,
-        )
-        await stack.enter_async_context(worker_server)
-        server = await stack.enter_async_context(serving(settings))
-        channel = open_channel(f"127.0.0.1:{server.port}")
-        stack.push_async_callback(channel.close)
-        redis = aioredis.Redis.from_url(redis_url)
-        stack.push_async_callback(redis.aclose)
-        yield Proxy(
-            dataproxy=dataproxy_pb2_grpc.DataProxyStub(channel),
-            trainer=trainer_pb2_grpc.TrainerStub(channel),
-            worker_address=f"127.0.0.1:{worker_server.port}",
-            redis=redis,
-            keys=RedisKeys(key_prefix),
-            mock=mock,
-        )
 
 
 async def until(check: Any, *, timeout_s: float = 10.0) -> None:

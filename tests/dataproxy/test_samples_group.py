@@ -8,39 +8,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
-import redis.asyncio as aioredis
 
-from protos import dataproxy_pb2, dataproxy_pb2_grpc
-from rollgate.mock_llm import MockLLM
+from protos import dataproxy_pb2
 from rollgate.tensors import to_tensors
 from rollgate.trajectory import decode_trajectory
-from services.dataproxy.__main__ import serving
-from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.turns import unpack_float32, unpack_int32
-from services.runtime.grpc_client import open_channel
-from services.runtime.keys import key_digest, key_id_of
+from services.runtime.keys import key_digest
 from services.worker.upstream import RequestPolicy
-from tests.worker.harness import running_worker
+from tests.harness.inprocess import RPC_TIMEOUT_S, DataproxyChain, collect, running_dataproxy_chain
 
-ADMIN_KEY = "admin-test-key-0123456789"
-RPC_TIMEOUT_S = 10.0
 G = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GroupStack:
+class GroupStack(DataproxyChain):
     """A dataproxy and a worker with n_samples = G over the mock LLM."""
-
-    dataproxy: dataproxy_pb2_grpc.DataProxyStub
-    worker_address: str
-    mock: MockLLM
-    redis: aioredis.Redis
-    keys: RedisKeys
 
     async def start(self) -> str:
         """A new session's key digest."""
@@ -58,58 +42,25 @@ class GroupStack:
             request_id="req-group",
         )
 
-    async def turns(self, digest: str) -> list[dict[str, Any]]:
-        key: Any = await self.redis.hgetall(self.keys.key(digest))
-        raw = await self.redis.lrange(
-            self.keys.turns(key_id_of(digest), key[b"episode"].decode()), 0, -1
-        )
-        return [msgpack.unpackb(item, raw=False) for item in raw]
 
-
-@contextlib.asynccontextmanager
-async def group_stack(
+def group_stack(
     redis_url: str, key_prefix: str, *, n_samples: int = G, token_interval_ms: float = 0.0
-) -> AsyncIterator[GroupStack]:
+) -> contextlib.AbstractAsyncContextManager[GroupStack]:
     """Mock LLM, a worker (vllm kind, `n_samples`), a dataproxy; all on port 0."""
-    settings = DataProxySettings(
-        host="127.0.0.1",
-        port=0,
-        redis_url=redis_url,
-        redis_prefix=key_prefix,
-        admin_key=ADMIN_KEY,
-        turn_timeout_s=30.0,
-        grace_s=2.0,
+    return running_dataproxy_chain(
+        redis_url,
+        key_prefix,
+        chain_type=GroupStack,
+        token_interval_ms=token_interval_ms,
+        worker_timeout_s=10.0,
+        policy=RequestPolicy(n_samples=n_samples),
     )
-    async with contextlib.AsyncExitStack() as stack:
-        mock = await stack.enter_async_context(MockLLM(port=0, token_interval_ms=token_interval_ms))
-        worker = await stack.enter_async_context(
-            running_worker(mock.base_url, kind="vllm", policy=RequestPolicy(n_samples=n_samples))
-        )
-        server = await stack.enter_async_context(serving(settings))
-        channel = open_channel(f"127.0.0.1:{server.port}")
-        stack.push_async_callback(channel.close)
-        redis = aioredis.Redis.from_url(redis_url)
-        stack.push_async_callback(redis.aclose)
-        yield GroupStack(
-            dataproxy=dataproxy_pb2_grpc.DataProxyStub(channel),
-            worker_address=worker.address,
-            mock=mock,
-            redis=redis,
-            keys=RedisKeys(key_prefix),
-        )
 
 
 @pytest.fixture
 async def stack(redis_url: str, key_prefix: str) -> AsyncIterator[GroupStack]:
     async with group_stack(redis_url, key_prefix) as running:
         yield running
-
-
-async def _collect(call: Any) -> list[dataproxy_pb2.ChatResponse]:
-    messages = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        messages.append(message)
-    return messages
 
 
 async def _published(stack: GroupStack, digest: str) -> bytes:
@@ -129,7 +80,7 @@ async def test_the_client_gets_one_sample_and_the_turn_records_all_three(
     request = stack.chat_request(digest, "tell me something varied", stream=stream)
 
     if stream:
-        messages = await _collect(stack.dataproxy.Chat(request, timeout=RPC_TIMEOUT_S))
+        messages = await collect(stack.dataproxy.Chat(request, timeout=RPC_TIMEOUT_S))
         payloads = [orjson.loads(c) for m in messages[:-1] for c in m.chunks.chunks]
         assert all(c["choices"][0]["index"] == 0 for c in payloads if c.get("choices"))
         assert all(len(c["choices"]) <= 1 for c in payloads)

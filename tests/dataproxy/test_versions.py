@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +17,9 @@ import msgpack  # type: ignore[import-untyped]
 import orjson
 import redis.asyncio as aioredis
 
-from protos import common_pb2, dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from rollgate.mock_llm import MockLLM
-from services.dataproxy.__main__ import serving
+from protos import common_pb2, dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2
 from services.dataproxy.control import WeightVersionView
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trajectory import EpisodeInfo, TrajectoryStream, build_trajectory
 from services.dataproxy.turns import (
     VERSIONS_UNCOUNTED,
@@ -31,10 +27,14 @@ from services.dataproxy.turns import (
     per_token_versions,
     unpack_int32,
 )
-from services.runtime.grpc_client import open_channel
-from services.runtime.keys import key_digest, key_id_of
-from tests.dataproxy.test_chat import ADMIN_KEY, RPC_TIMEOUT_S
-from tests.worker.harness import running_worker
+from services.runtime.keys import key_digest
+from tests.harness.inprocess import (
+    ADMIN_KEY,
+    RPC_TIMEOUT_S,
+    DataproxyChain,
+    eventually,
+    running_dataproxy_chain,
+)
 
 AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
 # Long enough that the reply streams for about a second at the token interval below.
@@ -43,14 +43,13 @@ TOKEN_INTERVAL_MS = 40.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Replicas:
+class Replicas(DataproxyChain):
     """Replica A (DataProxy: the turns), replica B (Trainer), one worker, and Redis."""
 
-    chat: dataproxy_pb2_grpc.DataProxyStub
-    trainer: trainer_pb2_grpc.TrainerStub
-    worker_address: str
-    redis: aioredis.Redis
-    keys: RedisKeys
+    @property
+    def chat(self) -> dataproxy_pb2_grpc.DataProxyStub:
+        """Replica A's DataProxy stub."""
+        return self.dataproxy
 
     async def start(self) -> str:
         started = await self.chat.StartSession(
@@ -72,13 +71,6 @@ class Replicas:
             trainer_pb2.SetWeightVersionRequest(version=version), metadata=AUTH, timeout=5
         )
 
-    async def turns(self, digest: str) -> list[dict[str, Any]]:
-        key: Any = await self.redis.hgetall(self.keys.key(digest))
-        raw = await self.redis.lrange(
-            self.keys.turns(key_id_of(digest), key[b"episode"].decode()), 0, -1
-        )
-        return [msgpack.unpackb(item, raw=False) for item in raw]
-
     async def published(self, digest: str) -> dict[str, Any]:
         """Ends the episode and returns its published trajectory."""
         ended = await self.chat.EndSession(
@@ -92,42 +84,17 @@ class Replicas:
         raise AssertionError("the trajectory was not published")
 
 
-def settings(redis_url: str, key_prefix: str) -> DataProxySettings:
-    return DataProxySettings(
-        host="127.0.0.1",
-        port=0,
-        redis_url=redis_url,
-        redis_prefix=key_prefix,
-        admin_key=ADMIN_KEY,
-        turn_timeout_s=30.0,
-        grace_s=2.0,
-    )
-
-
-@contextlib.asynccontextmanager
-async def replicas(
+def replicas(
     redis_url: str, key_prefix: str, *, latency_ms: float = 0.0
-) -> AsyncIterator[Replicas]:
-    async with contextlib.AsyncExitStack() as stack:
-        mock = await stack.enter_async_context(
-            MockLLM(port=0, token_interval_ms=TOKEN_INTERVAL_MS, latency_ms=latency_ms)
-        )
-        worker = await stack.enter_async_context(running_worker(mock.base_url, timeout_s=30.0))
-        replica_a = await stack.enter_async_context(serving(settings(redis_url, key_prefix)))
-        replica_b = await stack.enter_async_context(serving(settings(redis_url, key_prefix)))
-        channel_a = open_channel(f"127.0.0.1:{replica_a.port}")
-        stack.push_async_callback(channel_a.close)
-        channel_b = open_channel(f"127.0.0.1:{replica_b.port}")
-        stack.push_async_callback(channel_b.close)
-        redis = aioredis.Redis.from_url(redis_url)
-        stack.push_async_callback(redis.aclose)
-        yield Replicas(
-            chat=dataproxy_pb2_grpc.DataProxyStub(channel_a),
-            trainer=trainer_pb2_grpc.TrainerStub(channel_b),
-            worker_address=worker.address,
-            redis=redis,
-            keys=RedisKeys(key_prefix),
-        )
+) -> contextlib.AbstractAsyncContextManager[Replicas]:
+    return running_dataproxy_chain(
+        redis_url,
+        key_prefix,
+        chain_type=Replicas,
+        replicas=2,
+        token_interval_ms=TOKEN_INTERVAL_MS,
+        latency_ms=latency_ms,
+    )
 
 
 def tokens_in(message: dataproxy_pb2.ChatResponse) -> int:
@@ -138,13 +105,6 @@ def tokens_in(message: dataproxy_pb2.ChatResponse) -> int:
             logprobs = choice.get("logprobs") or {}
             count += len(logprobs.get("content") or [])
     return count
-
-
-async def eventually(check: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_version_change_mid_stream_stamps_early_tokens_old_and_later_tokens_new(

@@ -1,0 +1,1 @@
+"""Shared in-process test stacks."""

@@ -1,0 +1,278 @@
+"""In-process stacks for tests: real gRPC servers on port 0, a real Redis, the mock LLM upstream.
+
+One `async with` per kind: a dataproxy chain (worker over the mock LLM, one or more dataproxy
+replicas), the full chain behind a gateway (router, dataproxy, workers, gateway), and a lone
+Trainer server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import grpc
+import msgpack  # type: ignore[import-untyped]
+import redis.asyncio as aioredis
+
+from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2_grpc
+from rollgate.mock_llm import MockLLM
+from services.dataproxy.__main__ import serving as dataproxy_serving
+from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.trainer_servicer import TrainerServicer
+from services.gateway.app import GatewayServer
+from services.router.__main__ import serving as router_serving
+from services.router.settings import RouterSettings
+from services.runtime.grpc_client import open_channel
+from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.runtime.keys import key_id_of
+from services.worker.__main__ import serving as worker_serving
+from services.worker.settings import WorkerSettings
+from services.worker.upstream import RequestPolicy
+from tests.gateway.conftest import gateway_settings
+from tests.worker.harness import running_worker
+
+# The admin key of the dataproxy chain.
+ADMIN_KEY = "admin-test-key-0123456789"
+RPC_TIMEOUT_S = 10.0
+GATEWAY_READY_DEADLINE_S = 15.0
+MOCK_MODEL = "rollgate-mock"
+
+ChainT = TypeVar("ChainT", bound="DataproxyChain")
+
+
+# -- dataproxy chain ------------------------------------------------------------------------
+
+
+def dataproxy_settings(redis_url: str, key_prefix: str, **overrides: Any) -> DataProxySettings:
+    """Port 0, the test's Redis prefix, ADMIN_KEY, a 30 s turn timeout and a 2 s grace."""
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "redis_url": redis_url,
+        "redis_prefix": key_prefix,
+        "admin_key": ADMIN_KEY,
+        "turn_timeout_s": 30.0,
+        "grace_s": 2.0,
+    }
+    return DataProxySettings(**(base | overrides))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataproxyChain:
+    """Dataproxy replicas and a worker over the mock LLM, with stubs and a Redis client."""
+
+    # DataProxy stub on the first replica.
+    dataproxy: dataproxy_pb2_grpc.DataProxyStub
+    # Trainer stub on the last replica (with two, the first learns of control only via Redis).
+    trainer: trainer_pb2_grpc.TrainerStub
+    dataproxy_servers: tuple[GrpcServer, ...]
+    worker_address: str
+    mock: MockLLM
+    redis: aioredis.Redis
+    keys: RedisKeys
+
+    @property
+    def dataproxy_server(self) -> GrpcServer:
+        """The first replica's server."""
+        return self.dataproxy_servers[0]
+
+    async def turns(self, digest: str) -> list[dict[str, Any]]:
+        """The recorded turn records of the key's current episode."""
+        key: Any = await self.redis.hgetall(self.keys.key(digest))
+        episode = key[b"episode"].decode()
+        raw = await self.redis.lrange(self.keys.turns(key_id_of(digest), episode), 0, -1)
+        return [msgpack.unpackb(item, raw=False) for item in raw]
+
+
+@contextlib.asynccontextmanager
+async def running_dataproxy_chain(
+    redis_url: str,
+    key_prefix: str,
+    *,
+    chain_type: type[ChainT],
+    replicas: int = 1,
+    token_interval_ms: float = 0.0,
+    latency_ms: float = 0.0,
+    worker_timeout_s: float = 30.0,
+    policy: RequestPolicy | None = None,
+    **settings: Any,
+) -> AsyncIterator[ChainT]:
+    """Mock LLM, a worker (vllm kind) and `replicas` dataproxies (`settings` override
+    dataproxy_settings), all on port 0; yields a `chain_type` over them."""
+    async with contextlib.AsyncExitStack() as stack:
+        mock = await stack.enter_async_context(
+            MockLLM(port=0, token_interval_ms=token_interval_ms, latency_ms=latency_ms)
+        )
+        worker = await stack.enter_async_context(
+            running_worker(mock.base_url, kind="vllm", timeout_s=worker_timeout_s, policy=policy)
+        )
+        servers = []
+        channels = []
+        for _ in range(replicas):
+            server = await stack.enter_async_context(
+                dataproxy_serving(dataproxy_settings(redis_url, key_prefix, **settings))
+            )
+            channel = open_channel(f"127.0.0.1:{server.port}")
+            stack.push_async_callback(channel.close)
+            servers.append(server)
+            channels.append(channel)
+        redis = aioredis.Redis.from_url(redis_url)
+        stack.push_async_callback(redis.aclose)
+        yield chain_type(
+            dataproxy=dataproxy_pb2_grpc.DataProxyStub(channels[0]),
+            trainer=trainer_pb2_grpc.TrainerStub(channels[-1]),
+            dataproxy_servers=tuple(servers),
+            worker_address=worker.address,
+            mock=mock,
+            redis=redis,
+            keys=RedisKeys(key_prefix),
+        )
+
+
+async def collect(call: Any) -> list[dataproxy_pb2.ChatResponse]:
+    """Every message of a streaming call (read with `read`, so a test may read some first)."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+async def eventually(check: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
+    """Polls a synchronous `check` until it holds; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+# -- full chain through the gateway -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Upstream:
+    """One worker and the mock LLM behind it."""
+
+    worker_id: str
+    model: str = MOCK_MODEL
+    aliases: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullChain:
+    """A ready gateway over router, dataproxy, workers and mock LLMs, and an HTTP client."""
+
+    url: str
+    http: aiohttp.ClientSession
+    router_addr: str
+    dataproxy_addr: str
+    # One mock LLM per upstream, in the order given.
+    mocks: tuple[MockLLM, ...]
+    trainer: trainer_pb2_grpc.TrainerStub
+
+
+@contextlib.asynccontextmanager
+async def running_full_chain(
+    redis_url: str,
+    key_prefix: str,
+    *,
+    admin_key: str,
+    upstreams: Sequence[Upstream],
+    **dataproxy: Any,
+) -> AsyncIterator[FullChain]:
+    """Router, dataproxy (`dataproxy` overrides its settings), one worker per upstream on its
+    own mock LLM, and a gateway; all on port 0 and ready when yielded."""
+    async with contextlib.AsyncExitStack() as exits:
+        router = await exits.enter_async_context(
+            router_serving(
+                RouterSettings(port=0, redis_url=redis_url, redis_prefix=key_prefix, grace_s=1.0)
+            )
+        )
+        router_addr = f"127.0.0.1:{router.port}"
+        proxy = await exits.enter_async_context(
+            dataproxy_serving(
+                DataProxySettings(
+                    port=0,
+                    redis_url=redis_url,
+                    redis_prefix=key_prefix,
+                    admin_key=admin_key,
+                    grace_s=1.0,
+                    **dataproxy,
+                )
+            )
+        )
+        proxy_addr = f"127.0.0.1:{proxy.port}"
+        mocks = []
+        for upstream in upstreams:
+            mock = await exits.enter_async_context(MockLLM(port=0, model=upstream.model))
+            await exits.enter_async_context(
+                worker_serving(
+                    WorkerSettings(
+                        port=0,
+                        router_addr=router_addr,
+                        worker_id=upstream.worker_id,
+                        upstream_base_url=mock.base_url,
+                        upstream_models=(mock.model,),
+                        upstream_aliases=upstream.aliases,
+                        grace_s=1.0,
+                    )
+                )
+            )
+            mocks.append(mock)
+        settings = gateway_settings(router_addr=router_addr, dataproxy_addr=proxy_addr)
+        server = await exits.enter_async_context(GatewayServer(settings))
+        http = await exits.enter_async_context(aiohttp.ClientSession())
+        channel = open_channel(proxy_addr)
+        exits.push_async_callback(channel.close)
+        url = f"http://127.0.0.1:{server.port}"
+        await wait_ready(http, url)
+        yield FullChain(
+            url=url,
+            http=http,
+            router_addr=router_addr,
+            dataproxy_addr=proxy_addr,
+            mocks=tuple(mocks),
+            trainer=trainer_pb2_grpc.TrainerStub(channel),
+        )
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str) -> None:
+    """Polls the gateway's /ready until 200; fails after GATEWAY_READY_DEADLINE_S."""
+    deadline = time.monotonic() + GATEWAY_READY_DEADLINE_S
+    while True:
+        async with http.get(url + "/ready") as resp:
+            body = await resp.json()
+            if resp.status == 200:
+                return
+        assert time.monotonic() < deadline, f"gateway never became ready: {body}"
+        # The polling interval of a deadline-bounded wait.
+        await asyncio.sleep(0.05)
+
+
+# -- trainer service --------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serving_trainer(servicer: TrainerServicer) -> AsyncIterator[str]:
+    """`servicer` on a real Trainer gRPC server (port 0); yields its host:port."""
+    server = GrpcServer(
+        ServerSpec(
+            name="dataproxy",
+            host="127.0.0.1",
+            port=0,
+            service_names=["rollgate.v1.Trainer"],
+            grace_s=1.0,
+        )
+    )
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
+    await server.__aenter__()
+    try:
+        yield f"127.0.0.1:{server.port}"
+    finally:
+        await servicer.close()
+        await server.stop()
