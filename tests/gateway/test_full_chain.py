@@ -4,7 +4,6 @@ the mock LLM upstream and a real Redis."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,18 +16,13 @@ import redis.asyncio as aioredis
 
 from protos import router_pb2, router_pb2_grpc
 from rollgate.mock_llm import MockLLM
-from services.dataproxy.__main__ import serving as dataproxy_serving
-from services.dataproxy.settings import DataProxySettings
 from services.gateway.app import GatewayServer
-from services.router.__main__ import serving as router_serving
-from services.router.settings import RouterSettings
 from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest, new_session_key
-from services.worker.__main__ import serving as worker_serving
-from services.worker.settings import WorkerSettings
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings
+from tests.harness.inprocess import MOCK_MODEL, Upstream, running_full_chain
 
-MODEL = "rollgate-mock"
+MODEL = MOCK_MODEL
 READY_DEADLINE_S = 15.0
 
 
@@ -51,63 +45,17 @@ async def stack(
     """Router, dataproxy, one worker on the mock LLM, and a gateway; ready when yielded."""
     # Depends on redis_client so that its flush happens before the stack writes anything.
     del redis_client
-    async with contextlib.AsyncExitStack() as exits:
-        router = await exits.enter_async_context(
-            router_serving(
-                RouterSettings(port=0, redis_url=redis_url, redis_prefix=key_prefix, grace_s=1.0)
-            )
-        )
-        router_addr = f"127.0.0.1:{router.port}"
-        dataproxy = await exits.enter_async_context(
-            dataproxy_serving(
-                DataProxySettings(
-                    port=0,
-                    redis_url=redis_url,
-                    redis_prefix=key_prefix,
-                    admin_key=ADMIN_KEY,
-                    grace_s=1.0,
-                )
-            )
-        )
-        dataproxy_addr = f"127.0.0.1:{dataproxy.port}"
-        mock = await exits.enter_async_context(MockLLM(port=0, model=MODEL))
-        await exits.enter_async_context(
-            worker_serving(
-                WorkerSettings(
-                    port=0,
-                    router_addr=router_addr,
-                    worker_id="w-live",
-                    upstream_base_url=mock.base_url,
-                    upstream_models=(MODEL,),
-                    grace_s=1.0,
-                )
-            )
-        )
-        settings = gateway_settings(router_addr=router_addr, dataproxy_addr=dataproxy_addr)
-        server = await exits.enter_async_context(GatewayServer(settings))
-        http = await exits.enter_async_context(aiohttp.ClientSession())
-        url = f"http://127.0.0.1:{server.port}"
-        await _wait_ready(http, url)
+    async with running_full_chain(
+        redis_url, key_prefix, admin_key=ADMIN_KEY, upstreams=[Upstream(worker_id="w-live")]
+    ) as chain:
         yield Stack(
-            url=url,
-            http=http,
-            router_addr=router_addr,
-            dataproxy_addr=dataproxy_addr,
+            url=chain.url,
+            http=chain.http,
+            router_addr=chain.router_addr,
+            dataproxy_addr=chain.dataproxy_addr,
             prefix=key_prefix,
-            mock=mock,
+            mock=chain.mocks[0],
         )
-
-
-async def _wait_ready(http: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + READY_DEADLINE_S
-    while True:
-        async with http.get(url + "/ready") as resp:
-            body = await resp.json()
-            if resp.status == 200:
-                return
-        assert time.monotonic() < deadline, f"gateway never became ready: {body}"
-        # The polling interval of a deadline-bounded wait.
-        await asyncio.sleep(0.05)
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -16,19 +16,12 @@ import redis.asyncio as aioredis
 
 from protos import trainer_pb2, trainer_pb2_grpc
 from rollgate.mock_llm import MockLLM
-from services.dataproxy.__main__ import serving as dataproxy_serving
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.settings import DataProxySettings
-from services.gateway.app import GatewayServer
 from services.gateway.session_api import parse_start_session
-from services.router.__main__ import serving as router_serving
-from services.router.settings import RouterSettings
 from services.runtime.errors import InvalidRequest
-from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest
-from services.worker.__main__ import serving as worker_serving
-from services.worker.settings import WorkerSettings
-from tests.gateway.conftest import ADMIN_KEY, gateway_settings
+from tests.gateway.conftest import ADMIN_KEY
+from tests.harness.inprocess import Upstream, running_full_chain
 
 MODEL = "rollgate-mock"
 AUTH_METADATA = (("authorization", f"Bearer {ADMIN_KEY}"),)
@@ -70,68 +63,23 @@ ChainFactory = Callable[..., contextlib.AbstractAsyncContextManager[Chain]]
 def chain(redis_url: str, key_prefix: str, redis_client: aioredis.Redis) -> ChainFactory:
     @contextlib.asynccontextmanager
     async def make(**dataproxy: Any) -> AsyncIterator[Chain]:
-        async with contextlib.AsyncExitStack() as exits:
-            router = await exits.enter_async_context(
-                router_serving(
-                    RouterSettings(
-                        port=0, redis_url=redis_url, redis_prefix=key_prefix, grace_s=1.0
-                    )
-                )
-            )
-            router_addr = f"127.0.0.1:{router.port}"
-            proxy = await exits.enter_async_context(
-                dataproxy_serving(
-                    DataProxySettings(
-                        port=0,
-                        redis_url=redis_url,
-                        redis_prefix=key_prefix,
-                        admin_key=ADMIN_KEY,
-                        grace_s=1.0,
-                        **dataproxy,
-                    )
-                )
-            )
-            proxy_addr = f"127.0.0.1:{proxy.port}"
-            mock = await exits.enter_async_context(MockLLM(port=0, model=MODEL))
-            await exits.enter_async_context(
-                worker_serving(
-                    WorkerSettings(
-                        port=0,
-                        router_addr=router_addr,
-                        worker_id="w-lifecycle",
-                        upstream_base_url=mock.base_url,
-                        upstream_models=(MODEL,),
-                        grace_s=1.0,
-                    )
-                )
-            )
-            settings = gateway_settings(router_addr=router_addr, dataproxy_addr=proxy_addr)
-            server = await exits.enter_async_context(GatewayServer(settings))
-            http = await exits.enter_async_context(aiohttp.ClientSession())
-            channel = open_channel(proxy_addr)
-            exits.push_async_callback(channel.close)
-            url = f"http://127.0.0.1:{server.port}"
-            await _wait_ready(http, url)
+        async with running_full_chain(
+            redis_url,
+            key_prefix,
+            admin_key=ADMIN_KEY,
+            upstreams=[Upstream(worker_id="w-lifecycle", model=MODEL)],
+            **dataproxy,
+        ) as running:
             yield Chain(
-                url=url,
-                http=http,
-                trainer=trainer_pb2_grpc.TrainerStub(channel),
+                url=running.url,
+                http=running.http,
+                trainer=running.trainer,
                 redis=redis_client,
                 keys=RedisKeys(key_prefix),
-                mock=mock,
+                mock=running.mocks[0],
             )
 
     return make
-
-
-async def _wait_ready(http: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 15
-    while True:
-        async with http.get(url + "/ready") as resp:
-            if resp.status == 200:
-                return
-        assert time.monotonic() < deadline, "gateway never became ready"
-        await asyncio.sleep(0.05)
 
 
 async def _until(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0) -> None:

@@ -4,7 +4,6 @@ reaches its served model, and an unknown model is a 404 listing every model that
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,15 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollgate.mock_llm import MockLLM
-from services.dataproxy.__main__ import serving as dataproxy_serving
-from services.dataproxy.settings import DataProxySettings
-from services.gateway.app import GatewayServer
-from services.router.__main__ import serving as router_serving
-from services.router.settings import RouterSettings
-from services.worker.__main__ import serving as worker_serving
-from services.worker.settings import WorkerSettings
-from tests.gateway.conftest import ADMIN_KEY, gateway_settings
-from tests.gateway.test_full_chain import _auth, _wait_ready
+from tests.gateway.conftest import ADMIN_KEY
+from tests.gateway.test_full_chain import _auth
+from tests.harness.inprocess import Upstream, running_full_chain
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,51 +33,15 @@ async def two_upstreams(
     redis_url: str, key_prefix: str, redis_client: aioredis.Redis
 ) -> AsyncIterator[TwoUpstreams]:
     del redis_client  # its flush runs before the stack writes anything
-    async with contextlib.AsyncExitStack() as exits:
-        router = await exits.enter_async_context(
-            router_serving(
-                RouterSettings(port=0, redis_url=redis_url, redis_prefix=key_prefix, grace_s=1.0)
-            )
-        )
-        router_addr = f"127.0.0.1:{router.port}"
-        dataproxy = await exits.enter_async_context(
-            dataproxy_serving(
-                DataProxySettings(
-                    port=0,
-                    redis_url=redis_url,
-                    redis_prefix=key_prefix,
-                    admin_key=ADMIN_KEY,
-                    grace_s=1.0,
-                )
-            )
-        )
-        mock_a = await exits.enter_async_context(MockLLM(port=0, model="org/model-a"))
-        mock_b = await exits.enter_async_context(MockLLM(port=0, model="org/model-b"))
-        for worker_id, mock, aliases in (
-            ("w-a", mock_a, (("alias-a", "org/model-a"),)),
-            ("w-b", mock_b, ()),
-        ):
-            await exits.enter_async_context(
-                worker_serving(
-                    WorkerSettings(
-                        port=0,
-                        router_addr=router_addr,
-                        worker_id=worker_id,
-                        upstream_base_url=mock.base_url,
-                        upstream_models=(mock.model,),
-                        upstream_aliases=aliases,
-                        grace_s=1.0,
-                    )
-                )
-            )
-        settings = gateway_settings(
-            router_addr=router_addr, dataproxy_addr=f"127.0.0.1:{dataproxy.port}"
-        )
-        server = await exits.enter_async_context(GatewayServer(settings))
-        http = await exits.enter_async_context(aiohttp.ClientSession())
-        url = f"http://127.0.0.1:{server.port}"
-        await _wait_ready(http, url)
-        yield TwoUpstreams(url=url, http=http, mock_a=mock_a, mock_b=mock_b)
+    upstreams = [
+        Upstream(worker_id="w-a", model="org/model-a", aliases=(("alias-a", "org/model-a"),)),
+        Upstream(worker_id="w-b", model="org/model-b"),
+    ]
+    async with running_full_chain(
+        redis_url, key_prefix, admin_key=ADMIN_KEY, upstreams=upstreams
+    ) as chain:
+        mock_a, mock_b = chain.mocks
+        yield TwoUpstreams(url=chain.url, http=chain.http, mock_a=mock_a, mock_b=mock_b)
 
 
 async def _key(stack: TwoUpstreams) -> str:
