@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
 import uuid
@@ -24,7 +25,7 @@ from services.dataproxy.trajectory import (
     build_trajectory,
     encode_trajectory,
 )
-from services.runtime.grpc_server import GrpcServer, ServerSpec
+from tests.harness.inprocess import serving_trainer
 
 ADMIN_KEY = "admin-" + "a" * 32
 TRAINER_KEY = "trainer-" + "b" * 32
@@ -87,33 +88,21 @@ StackFactory = Callable[..., Awaitable[Stack]]
 
 @pytest.fixture
 async def make_stack(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIterator[StackFactory]:
-    servers: list[tuple[GrpcServer, TrainerServicer]] = []
+    async with contextlib.AsyncExitStack() as servers:
 
-    async def make(*, reclaim_idle_s: float = 60.0, redis: aioredis.Redis | None = None) -> Stack:
-        redis = redis or redis_client
-        keys = RedisKeys(prefix=key_prefix)
-        settings = DataProxySettings(admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY)
-        servicer = TrainerServicer(
-            redis=redis, keys=keys, settings=settings, reclaim_idle_s=reclaim_idle_s
-        )
-        server = GrpcServer(
-            ServerSpec(
-                name="dataproxy",
-                host="127.0.0.1",
-                port=0,
-                service_names=["rollgate.v1.Trainer"],
-                grace_s=1.0,
+        async def make(
+            *, reclaim_idle_s: float = 60.0, redis: aioredis.Redis | None = None
+        ) -> Stack:
+            redis = redis or redis_client
+            keys = RedisKeys(prefix=key_prefix)
+            settings = DataProxySettings(admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY)
+            servicer = TrainerServicer(
+                redis=redis, keys=keys, settings=settings, reclaim_idle_s=reclaim_idle_s
             )
-        )
-        trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
-        await server.__aenter__()
-        servers.append((server, servicer))
-        return Stack(f"127.0.0.1:{server.port}", servicer, keys, redis)
+            address = await servers.enter_async_context(serving_trainer(servicer))
+            return Stack(address, servicer, keys, redis)
 
-    yield make
-    for server, servicer in servers:
-        await servicer.close()
-        await server.stop()
+        yield make
 
 
 @pytest.fixture

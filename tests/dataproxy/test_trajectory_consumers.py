@@ -17,13 +17,12 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import redis.asyncio as aioredis
 
-from protos import trainer_pb2_grpc
 from rollgate.trainer_client import PulledTrajectory, TrainerClient
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
 from services.dataproxy.trajectory import CODEC, EpisodeInfo, build_trajectory, encode_trajectory
-from services.runtime.grpc_server import GrpcServer, ServerSpec
+from tests.harness.inprocess import serving_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "admin-consumers-" + "c" * 24
@@ -98,22 +97,8 @@ async def trainer(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIterato
         settings=DataProxySettings(admin_key=ADMIN_KEY),
         reclaim_idle_s=RECLAIM_IDLE_S,
     )
-    server = GrpcServer(
-        ServerSpec(
-            name="dataproxy",
-            host="127.0.0.1",
-            port=0,
-            service_names=["rollgate.v1.Trainer"],
-            grace_s=1.0,
-        )
-    )
-    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
-    await server.__aenter__()
-    try:
-        yield Trainer(f"127.0.0.1:{server.port}", keys, redis_client)
-    finally:
-        await servicer.close()
-        await server.stop()
+    async with serving_trainer(servicer) as address:
+        yield Trainer(address, keys, redis_client)
 
 
 async def run_doomed_consumer(trainer: Trainer, group: str, count: int) -> list[str]:
