@@ -1,7 +1,9 @@
 """The worker registry and session affinities in Redis: every router key name and operation.
 
 Nothing that matters for correctness lives in process memory, so routers can be replicated
-against one Redis. Heartbeat stamps are wall-clock seconds because several routers share them.
+against one Redis. Heartbeat stamps are wall-clock seconds because several routers share them;
+a worker's session count is the size of its set of live affinities, stamped on Redis's clock
+(the one that expires the affinities) and pruned of the expired ones whenever it is read.
 """
 
 from __future__ import annotations
@@ -35,24 +37,61 @@ redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 return 1
 """
 
-# Compare-and-set of a session's affinity: sets it only if it still holds what this router
-# read (ARGV[1], "" for none) and the chosen worker is still registered. Returns 1 when set.
-# A router that loses the race reads the winner's choice on its next round.
-_CLAIM_LUA = """
-local current = redis.call('GET', KEYS[1]) or ''
-if current ~= ARGV[1] then return 0 end
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-if current ~= ARGV[2] then
-  redis.call('ZINCRBY', KEYS[3], 1, ARGV[2])
-  if current ~= '' and redis.call('ZSCORE', KEYS[3], current) then
-    if tonumber(redis.call('ZINCRBY', KEYS[3], -1, current)) < 0 then
-      redis.call('ZADD', KEYS[3], 0, current)
+# Milliseconds on Redis's clock, the one that also expires the affinities, so every router
+# agrees on which sessions are still live.
+_NOW_MS_LUA = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# The workers with their live session counts, and (Route only, when KEYS[4] is given) the
+# session's affinity, refreshed: its expiry and its last use in its worker's session set.
+# Each worker's set `ARGV[1] .. worker_id` loses the sessions unused for the affinity TTL
+# (their affinities have expired), so its size counts the live affinities naming the worker.
+_SNAPSHOT_LUA = (
+    _NOW_MS_LUA
+    + """
+local ttl_ms = tonumber(ARGV[2])
+local current = ''
+if KEYS[4] then
+  current = redis.call('GET', KEYS[4]) or ''
+  if current ~= '' then
+    redis.call('PEXPIRE', KEYS[4], ttl_ms)
+    if redis.call('HEXISTS', KEYS[1], current) == 1 then
+      redis.call('ZADD', ARGV[1] .. current, string.format('%d', now_ms), ARGV[3])
     end
   end
 end
+local workers = redis.call('HGETALL', KEYS[1])
+local counts = {}
+local cutoff = string.format('%d', now_ms - ttl_ms)
+for i = 1, #workers, 2 do
+  local set = ARGV[1] .. workers[i]
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', cutoff)
+  counts[#counts + 1] = workers[i]
+  counts[#counts + 1] = redis.call('ZCARD', set)
+end
+return {current, workers, redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES'),
+        redis.call('HGETALL', KEYS[3]), counts}
+"""
+)
+
+# Compare-and-set of a session's affinity: sets it only if it still holds what this router
+# read (ARGV[1], "" for none) and the chosen worker is still registered, and moves the
+# session from the previous worker's session set (KEYS[4]) to the chosen one's (KEYS[3]).
+# Returns 1 when set. A router that loses the race reads the winner's choice on its next round.
+_CLAIM_LUA = (
+    _NOW_MS_LUA
+    + """
+local current = redis.call('GET', KEYS[1]) or ''
+if current ~= ARGV[1] then return 0 end
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if current ~= '' and current ~= ARGV[2] then redis.call('ZREM', KEYS[4], ARGV[4]) end
+redis.call('ZADD', KEYS[3], string.format('%d', now_ms), ARGV[4])
 return 1
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +115,9 @@ class RouterKeys:
         """Hash worker id → in-flight turns at its last heartbeat."""
         return f"{self.prefix}workers:inflight"
 
-    @property
-    def sessions(self) -> str:
-        """Sorted set worker id → sessions assigned to it."""
-        return f"{self.prefix}workers:sessions"
+    def worker_sessions(self, worker_id: str) -> str:
+        """Sorted set of the worker's live affinities: `{session}:{model}` → last use (ms)."""
+        return f"{self.prefix}workers:sessions:{worker_id}"
 
     def affinity(self, session: str, model: str) -> str:
         """String holding the worker id of (session, model), expiring when unused."""
@@ -101,9 +139,10 @@ class Registry:
         self._redis = redis
         self._keys = keys
         self._lease_s = lease_s
-        self._affinity_ttl_s = max(1, round(affinity_ttl_s))
+        self._affinity_ttl_ms = max(1, round(affinity_ttl_s * 1000))
         self._clock = clock
         self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
+        self._snapshot = redis.register_script(_SNAPSHOT_LUA)
         self._claim = redis.register_script(_CLAIM_LUA)
 
     async def register(
@@ -121,9 +160,8 @@ class Registry:
         ):
             pipe.hset(k.workers, worker_id, record)
             pipe.zadd(k.heartbeats, {worker_id: now})
+            # A worker that registers again keeps its sessions.
             pipe.hset(k.in_flight, worker_id, 0)
-            # A worker that registers again keeps its session count.
-            pipe.zadd(k.sessions, {worker_id: 0}, nx=True)
             await pipe.execute()
         log.info("worker_registered", worker_id=worker_id, address=address, models=list(models))
 
@@ -151,19 +189,16 @@ class Registry:
             pipe.hdel(k.workers, worker_id)
             pipe.zrem(k.heartbeats, worker_id)
             pipe.hdel(k.in_flight, worker_id)
-            pipe.zrem(k.sessions, worker_id)
+            # Its sessions are placed afresh, and counted, wherever they go next.
+            pipe.delete(k.worker_sessions(worker_id))
             removed, *_ = await pipe.execute()
         log.info("worker_deregistered", worker_id=worker_id, known=bool(removed))
         return bool(removed)
 
     async def list_workers(self, *, timeout_s: float) -> list[WorkerState]:
         """Every registered worker, live or not, ordered by worker id."""
-        async with (
-            _redis_deadline(timeout_s, "list_workers"),
-            self._redis.pipeline(transaction=True) as pipe,
-        ):
-            self._queue_snapshot(pipe)
-            replies = await pipe.execute()
+        async with _redis_deadline(timeout_s, "list_workers"):
+            _, *replies = await self._read(keys=[])
         return self._workers_from(replies)
 
     async def route(
@@ -173,12 +208,10 @@ class Registry:
         if not session:
             raise InvalidRequest("Route needs a session (the session key's digest)")
         affinity_key = self._keys.affinity(session, model)
+        member = f"{session}:{model}"
         async with _redis_deadline(timeout_s, "route"):
             for _ in range(_PLACE_ATTEMPTS):
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.getex(affinity_key, ex=self._affinity_ttl_s)
-                    self._queue_snapshot(pipe)
-                    raw_affinity, *replies = await pipe.execute()
+                raw_affinity, *replies = await self._read(keys=[affinity_key], member=member)
                 workers = self._workers_from(replies)
                 current_id = raw_affinity.decode() if raw_affinity else ""
                 current = next((w for w in workers if w.worker_id == current_id), None)
@@ -188,8 +221,13 @@ class Registry:
                     return current
                 chosen = choose(workers, model=model, avoid_worker_id=avoid_worker_id)
                 claimed = await self._claim(
-                    keys=[affinity_key, self._keys.workers, self._keys.sessions],
-                    args=[current_id, chosen.worker_id, self._affinity_ttl_s],
+                    keys=[
+                        affinity_key,
+                        self._keys.workers,
+                        self._keys.worker_sessions(chosen.worker_id),
+                        self._keys.worker_sessions(current_id),
+                    ],
+                    args=[current_id, chosen.worker_id, self._affinity_ttl_ms, member],
                 )
                 if claimed:
                     log.info(
@@ -206,18 +244,20 @@ class Registry:
             retry_after_s=0.1,
         )
 
-    def _queue_snapshot(self, pipe: Any) -> None:
+    async def _read(self, *, keys: Sequence[str], member: str = "") -> list[Any]:
+        """One snapshot script: [affinity, workers, heartbeats, in-flight, session counts]."""
         k = self._keys
-        pipe.hgetall(k.workers)
-        pipe.zrange(k.heartbeats, 0, -1, withscores=True)
-        pipe.hgetall(k.in_flight)
-        pipe.zrange(k.sessions, 0, -1, withscores=True)
+        reply = await self._snapshot(
+            keys=[k.workers, k.heartbeats, k.in_flight, *keys],
+            args=[k.worker_sessions(""), self._affinity_ttl_ms, member],
+        )
+        return list(reply)
 
     def _workers_from(self, replies: Sequence[Any]) -> list[WorkerState]:
-        raw_workers, heartbeats, in_flight, sessions = replies
-        last_seen = {wid.decode(): float(at) for wid, at in heartbeats}
+        raw_workers, heartbeats, in_flight, sessions = (_pairs(reply) for reply in replies)
+        last_seen = {wid.decode(): float(at) for wid, at in heartbeats.items()}
         load = {wid.decode(): int(n) for wid, n in in_flight.items()}
-        assigned = {wid.decode(): int(n) for wid, n in sessions}
+        assigned = {wid.decode(): int(n) for wid, n in sessions.items()}
         now = self._clock()
         workers = []
         for raw_id, raw_record in sorted(raw_workers.items()):
@@ -236,6 +276,11 @@ class Registry:
                 )
             )
         return workers
+
+
+def _pairs(flat: Sequence[Any]) -> dict[bytes, Any]:
+    """A flat [field, value, …] script reply as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 @contextlib.asynccontextmanager

@@ -308,7 +308,7 @@ async def test_router_state_lives_under_the_documented_keys(
         "workers",
         "workers:hb",
         "workers:inflight",
-        "workers:sessions",
+        "workers:sessions:w1",
         "aff:session-a:m",
     }
     record = msgpack.unpackb(await redis_client.hget(f"{key_prefix}workers", "w1"))
