@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,25 +14,15 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import redis
 
-from rollgate.redis_server import free_port
-from rollgate.stack import Stack, StackConfig
+from rollgate.stack import Stack
 from tests.end_to_end.test_walkthrough import chat_body, request
+from tests.harness.processes import stack_config
 
 RETRY_DEADLINE_S = 30.0
 
 
 def _stack(redis_url: str, state_dir: Path, **env: str) -> Stack:
-    return Stack(
-        StackConfig(
-            admin_key="rg-admin-" + uuid.uuid4().hex,
-            gateway_port=free_port(),
-            redis_url=redis_url,
-            redis_prefix=f"rgcycle:{uuid.uuid4().hex[:8]}:",
-            workers=1,
-            state_dir=state_dir,
-            extra_env=env,
-        )
-    )
+    return Stack(stack_config(redis_url, state_dir, prefix="rgcycle", workers=1, extra_env=env))
 
 
 @pytest.fixture(scope="module")

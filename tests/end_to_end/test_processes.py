@@ -6,7 +6,6 @@ import json
 import socket
 import threading
 import urllib.parse
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,22 +14,20 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rollgate.redis_server import free_port
-from rollgate.stack import GRPC_SERVICES, Stack, StackConfig
+from rollgate.stack import GRPC_SERVICES, Stack
 from services.runtime.keys import key_digest
 from tests.end_to_end.test_walkthrough import MODEL, chat_body, request, run_example, stderr_vars
+from tests.harness.processes import stack_config
 
 
 @pytest.fixture(scope="module")
 def slow_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose mock streams one token every 40 ms, so streams are in flight for a while."""
-    config = StackConfig(
-        admin_key="rg-admin-" + uuid.uuid4().hex,
-        gateway_port=free_port(),
-        redis_url=redis_url,
-        redis_prefix=f"rge2e:{uuid.uuid4().hex[:8]}:",
+    config = stack_config(
+        redis_url,
+        Path(tmp_path_factory.mktemp("slow-stack")),
+        prefix="rge2e",
         mock_token_interval_ms=40.0,
-        state_dir=Path(tmp_path_factory.mktemp("slow-stack")),
     )
     with Stack(config) as running:
         yield running

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,10 +23,10 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from rollgate.redis_server import free_port
-from rollgate.stack import Stack, StackConfig
+from rollgate.stack import Stack
 from rollgate.trajectory import Trajectory, decode_trajectory
 from services.runtime.keys import key_digest, key_id_of
+from tests.harness.processes import log_level_env, stack_config
 
 pytestmark = pytest.mark.e2e
 
@@ -56,17 +54,15 @@ FILLER = "please tell me something short about distributed systems and their fai
 @pytest.fixture(scope="module")
 def scaled_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two gateways, two routers, two dataproxies, three workers and the mock, on one Redis."""
-    config = StackConfig(
-        admin_key="rg-admin-" + uuid.uuid4().hex,
-        gateway_port=free_port(),
+    config = stack_config(
+        redis_url,
+        Path(tmp_path_factory.mktemp("scale-stack")),
+        prefix="rgscale",
         workers=3,
         replicas={"gateway": 2, "router": 2, "dataproxy": 2},
-        redis_url=redis_url,
-        redis_prefix=f"rgscale:{uuid.uuid4().hex[:8]}:",
         mock_latency_ms=40.0,
         mock_token_interval_ms=15.0,
-        state_dir=Path(tmp_path_factory.mktemp("scale-stack")),
-        extra_env={"ROLLGATE_LOG_LEVEL": os.environ.get("ROLLGATE_LOG_LEVEL", "info")},
+        extra_env=log_level_env(),
         start_timeout_s=180.0,
     )
     with Stack(config) as running:

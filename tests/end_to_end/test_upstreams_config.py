@@ -20,9 +20,10 @@ import pytest
 import redis
 
 from rollgate.redis_server import free_port
-from rollgate.stack import Stack, StackConfig
+from rollgate.stack import Stack
 from rollgate.trajectory import Interaction, decode_trajectory
 from services.runtime.config import load_config
+from tests.harness.processes import stack_config
 
 HOSTED_KEY = "sk-e2e-hosted-" + uuid.uuid4().hex
 VLLM_MODEL = "Qwen/Qwen3-8B"
@@ -118,13 +119,8 @@ worker:
         env.setenv("E2E_UPSTREAMS_ADMIN", "rg-admin-" + uuid.uuid4().hex)
         env.setenv("E2E_UPSTREAMS_HOSTED_KEY", HOSTED_KEY)
         file = load_config(path, environ=os.environ, overrides=["worker.upstreams.1.workers=1"])
-        config = StackConfig(
-            admin_key=file.admin_key,
-            gateway_port=free_port(),
-            redis_url=redis_url,
-            redis_prefix=f"rge2eup:{uuid.uuid4().hex[:8]}:",
-            state_dir=state,
-            file=file,
+        config = stack_config(
+            redis_url, state, prefix="rge2eup", admin_key=file.admin_key, file=file
         )
         with Stack(config) as running:
             yield running
