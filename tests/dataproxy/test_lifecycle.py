@@ -14,7 +14,7 @@ from services.dataproxy.control import CapacityPolicy, Control
 from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
-from services.dataproxy.sessions import EpisodePolicy, SessionStore
+from services.dataproxy.sessions import EpisodePolicy, SessionStore, StartedSession
 from services.dataproxy.turns import encode_turn
 from services.runtime.errors import Conflict, TooManyRequests, Unavailable
 from services.runtime.keys import key_digest, key_id_of
@@ -66,6 +66,13 @@ def control(redis_client: aioredis.Redis, keys: RedisKeys) -> Control:
 async def stats(redis: aioredis.Redis, keys: RedisKeys) -> dict[str, int]:
     raw: Any = await redis.hgetall(keys.stats)
     return {k.decode(): int(v) for k, v in raw.items()}
+
+
+async def one_turn_episode(store: SessionStore) -> tuple[StartedSession, str]:
+    """A new key whose episode holds one recorded turn ("c1"): (its start, its key digest)."""
+    started = await store.start(task_id="t", api_key="")
+    await chat(store, started.api_key, "c1")
+    return started, key_digest(started.api_key)
 
 
 async def eventually(check: Callable[[], Any], *, timeout_s: float = 5.0) -> None:
@@ -148,9 +155,7 @@ async def test_refresh_timeout_publishes_the_old_episode_and_the_same_key_works_
 ) -> None:
     store = make_store(refresh_timeout_s=0.3)
     await control.grant(1)
-    started = await store.start(task_id="t", api_key="")
-    await chat(store, started.api_key, "c1")
-    digest = key_digest(started.api_key)
+    started, digest = await one_turn_episode(store)
 
     with pytest.raises(TooManyRequests) as caught:
         await store.start(task_id="", api_key=started.api_key)
@@ -313,9 +318,7 @@ async def test_idle_episode_is_published_by_the_reaper_once_and_the_key_stays_us
     make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(idle_s=0.3)
-    started = await store.start(task_id="t", api_key="")
-    await chat(store, started.api_key, "c1")
-    digest = key_digest(started.api_key)
+    started, digest = await one_turn_episode(store)
     member = f"{digest}/{started.session_id}"
     assert await redis_client.zscore(keys.idle, member) is not None
 
@@ -381,9 +384,7 @@ async def test_late_reward_holds_the_ended_episode_until_its_reward_publishes_it
     make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(late_reward_s=30.0)
-    started = await store.start(task_id="t", api_key="")
-    await chat(store, started.api_key, "c1")
-    digest = key_digest(started.api_key)
+    started, digest = await one_turn_episode(store)
     ended = await store.end(digest)
     assert ended.status == "held" and ended.interaction_count == 1
     assert await stream_entries(redis_client, keys) == []
@@ -402,9 +403,7 @@ async def test_a_rewarded_episode_is_published_at_once_even_with_late_rewards_on
     make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(late_reward_s=30.0)
-    started = await store.start(task_id="t", api_key="")
-    await chat(store, started.api_key, "c1")
-    digest = key_digest(started.api_key)
+    _, digest = await one_turn_episode(store)
     await store.set_reward(digest, reward=1.0, interaction_id="")
     assert (await store.end(digest)).status == "published"
 
@@ -413,9 +412,7 @@ async def test_late_reward_after_a_refresh_names_the_ended_session(
     make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(late_reward_s=30.0)
-    started = await store.start(task_id="t", api_key="")
-    await chat(store, started.api_key, "c1")
-    digest = key_digest(started.api_key)
+    started, digest = await one_turn_episode(store)
     await store.start(task_id="", api_key=started.api_key)  # refresh: E1 held, E2 active
     await chat(store, started.api_key, "c2")
     # Without session_id the reward goes to the active episode (E2).
@@ -433,9 +430,7 @@ async def test_held_episode_is_published_with_reward_zero_after_the_timeout(
     make_store: StoreFactory, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(late_reward_s=0.2)
-    started = await store.start(task_id="t", api_key="")
-    await chat(store, started.api_key, "c1")
-    digest = key_digest(started.api_key)
+    started, digest = await one_turn_episode(store)
     await store.end(digest)
     await eventually(
         lambda: _due(redis_client, keys.awaiting_reward, f"{digest}/{started.session_id}")
