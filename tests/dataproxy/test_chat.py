@@ -45,13 +45,7 @@ class Stack(DataproxyChain):
         return started.api_key, key_digest(started.api_key)
 
     def chat_request(self, digest: str, text: str, **body: Any) -> dataproxy_pb2.ChatRequest:
-        payload = {"model": "rollgate-mock", "messages": [{"role": "user", "content": text}]}
-        return dataproxy_pb2.ChatRequest(
-            key_digest=digest,
-            worker_address=self.worker_address,
-            body_json=orjson.dumps(payload | body),
-            request_id="req-1",
-        )
+        return self.make_chat_request(digest, text, request_id="req-1", **body)
 
 
 def running_stack(

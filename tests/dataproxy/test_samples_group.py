@@ -34,13 +34,7 @@ class GroupStack(DataproxyChain):
         return key_digest(started.api_key)
 
     def chat_request(self, digest: str, text: str, **body: Any) -> dataproxy_pb2.ChatRequest:
-        payload = {"model": "rollgate-mock", "messages": [{"role": "user", "content": text}]}
-        return dataproxy_pb2.ChatRequest(
-            key_digest=digest,
-            worker_address=self.worker_address,
-            body_json=orjson.dumps(payload | body),
-            request_id="req-group",
-        )
+        return self.make_chat_request(digest, text, request_id="req-group", **body)
 
 
 def group_stack(

@@ -58,13 +58,7 @@ class Replicas(DataproxyChain):
         return key_digest(started.api_key)
 
     def request(self, digest: str, **body: Any) -> dataproxy_pb2.ChatRequest:
-        payload = {"model": "rollgate-mock", "messages": [{"role": "user", "content": LONG_TEXT}]}
-        return dataproxy_pb2.ChatRequest(
-            key_digest=digest,
-            worker_address=self.worker_address,
-            body_json=orjson.dumps(payload | body),
-            request_id="req-versions",
-        )
+        return self.make_chat_request(digest, LONG_TEXT, request_id="req-versions", **body)
 
     async def set_version(self, version: int) -> None:
         await self.trainer.SetWeightVersion(

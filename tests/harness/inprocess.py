@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import aiohttp
 import grpc
 import msgpack  # type: ignore[import-untyped]
+import orjson
 import redis.asyncio as aioredis
 
 from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2_grpc
@@ -81,6 +82,18 @@ class DataproxyChain:
     def dataproxy_server(self) -> GrpcServer:
         """The first replica's server."""
         return self.dataproxy_servers[0]
+
+    def make_chat_request(
+        self, digest: str, text: str, *, request_id: str, **body: Any
+    ) -> dataproxy_pb2.ChatRequest:
+        """A ChatRequest to the worker: one user message `text` to the mock model, plus `body`."""
+        payload = {"model": MOCK_MODEL, "messages": [{"role": "user", "content": text}]}
+        return dataproxy_pb2.ChatRequest(
+            key_digest=digest,
+            worker_address=self.worker_address,
+            body_json=orjson.dumps(payload | body),
+            request_id=request_id,
+        )
 
     async def turns(self, digest: str) -> list[dict[str, Any]]:
         """The recorded turn records of the key's current episode."""
