@@ -649,7 +649,9 @@ class SessionStore:
         last = await self._redis.hget(self._keys.episode(key.key_id, episode), "last_active_at")
         due = float(last or 0) + self._policy.session_idle_timeout_s
         if due > time.time():
-            await self._redis.zadd(self._keys.idle, {member: due})
+            # GT: a turn that started since the claim raised the deadline to its lease's,
+            # which must hold; XX: a member published meanwhile stays gone.
+            await self._redis.zadd(self._keys.idle, {member: due}, xx=True, gt=True)
             return None
         return await self.publish(key, end_reason="idle")
 
