@@ -369,3 +369,61 @@ class GetResponseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetResponseResponse: _TypeAlias = GetResponseResponse  # noqa: Y015
+
+@_typing.final
+class ClaimRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_DIGEST_FIELD_NUMBER: _builtins.int
+    CONVERSATION_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    key_digest: _builtins.str
+    conversation: _builtins.str
+    idempotency_key: _builtins.str
+    """The client's idempotencyKey."""
+    run_id: _builtins.str
+    """The id of the run this caller would start."""
+    ttl_ms: _builtins.int
+    """How long the claim is remembered."""
+    def __init__(
+        self,
+        *,
+        key_digest: _builtins.str = ...,
+        conversation: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "idempotency_key", b"idempotency_key", "key_digest", b"key_digest", "run_id", b"run_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimRunRequest: _TypeAlias = ClaimRunRequest  # noqa: Y015
+
+@_typing.final
+class ClaimRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLAIMED_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    claimed: _builtins.bool
+    """True: this call's run is the first under the key; false: another run has it."""
+    run_id: _builtins.str
+    """The first run's id (this call's own when claimed)."""
+    def __init__(
+        self,
+        *,
+        claimed: _builtins.bool = ...,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed", b"claimed", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimRunResponse: _TypeAlias = ClaimRunResponse  # noqa: Y015

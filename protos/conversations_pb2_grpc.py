@@ -69,6 +69,11 @@ class ConversationsStub:
                 request_serializer=protos_dot_conversations__pb2.GetResponseRequest.SerializeToString,
                 response_deserializer=protos_dot_conversations__pb2.GetResponseResponse.FromString,
                 _registered_method=True)
+        self.ClaimRun = channel.unary_unary(
+                '/rollgate.v1.Conversations/ClaimRun',
+                request_serializer=protos_dot_conversations__pb2.ClaimRunRequest.SerializeToString,
+                response_deserializer=protos_dot_conversations__pb2.ClaimRunResponse.FromString,
+                _registered_method=True)
 
 
 class ConversationsServicer:
@@ -123,6 +128,14 @@ class ConversationsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimRun(self, request, context):
+        """Claims a run's idempotency key in a conversation (SET NX, across gateway replicas): the
+        first claim stores its run id; a later one is not claimed and gets that first run id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConversationsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +173,11 @@ def add_ConversationsServicer_to_server(servicer, server):
                     servicer.GetResponse,
                     request_deserializer=protos_dot_conversations__pb2.GetResponseRequest.FromString,
                     response_serializer=protos_dot_conversations__pb2.GetResponseResponse.SerializeToString,
+            ),
+            'ClaimRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimRun,
+                    request_deserializer=protos_dot_conversations__pb2.ClaimRunRequest.FromString,
+                    response_serializer=protos_dot_conversations__pb2.ClaimRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +369,33 @@ class Conversations:
             '/rollgate.v1.Conversations/GetResponse',
             protos_dot_conversations__pb2.GetResponseRequest.SerializeToString,
             protos_dot_conversations__pb2.GetResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.Conversations/ClaimRun',
+            protos_dot_conversations__pb2.ClaimRunRequest.SerializeToString,
+            protos_dot_conversations__pb2.ClaimRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

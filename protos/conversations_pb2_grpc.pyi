@@ -49,6 +49,10 @@ class ConversationsStub:
     """Stores one response: its own items once, appended to its chain's materialized item list."""
     GetResponse: _grpc.UnaryUnaryMultiCallable[_conversations_pb2.GetResponseRequest, _conversations_pb2.GetResponseResponse]
     """One stored response and, when asked, the items of its whole chain (one round trip)."""
+    ClaimRun: _grpc.UnaryUnaryMultiCallable[_conversations_pb2.ClaimRunRequest, _conversations_pb2.ClaimRunResponse]
+    """Claims a run's idempotency key in a conversation (SET NX, across gateway replicas): the
+    first claim stores its run id; a later one is not claimed and gets that first run id.
+    """
 
 @_typing.type_check_only
 class ConversationsAsyncStub(ConversationsStub):
@@ -68,6 +72,10 @@ class ConversationsAsyncStub(ConversationsStub):
     """Stores one response: its own items once, appended to its chain's materialized item list."""
     GetResponse: _aio.UnaryUnaryMultiCallable[_conversations_pb2.GetResponseRequest, _conversations_pb2.GetResponseResponse]  # type: ignore[assignment]
     """One stored response and, when asked, the items of its whole chain (one round trip)."""
+    ClaimRun: _aio.UnaryUnaryMultiCallable[_conversations_pb2.ClaimRunRequest, _conversations_pb2.ClaimRunResponse]  # type: ignore[assignment]
+    """Claims a run's idempotency key in a conversation (SET NX, across gateway replicas): the
+    first claim stores its run id; a later one is not claimed and gets that first run id.
+    """
 
 class ConversationsServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -126,5 +134,15 @@ class ConversationsServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_conversations_pb2.GetResponseResponse, _abc.Awaitable[_conversations_pb2.GetResponseResponse]]:
         """One stored response and, when asked, the items of its whole chain (one round trip)."""
+
+    @_abc_1.abstractmethod
+    def ClaimRun(
+        self,
+        request: _conversations_pb2.ClaimRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_conversations_pb2.ClaimRunResponse, _abc.Awaitable[_conversations_pb2.ClaimRunResponse]]:
+        """Claims a run's idempotency key in a conversation (SET NX, across gateway replicas): the
+        first claim stores its run id; a later one is not claimed and gets that first run id.
+        """
 
 def add_ConversationsServicer_to_server(servicer: ConversationsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -27,6 +27,7 @@ log = get_logger(__name__)
 # Idle conversations and stored responses are dropped after this long (OpenAI keeps 30 days).
 STATE_TTL_S = 30 * 24 * 3600
 MAX_LEASE_MS = 15 * 60 * 1000
+MAX_RUN_CLAIM_MS = 7 * 24 * 3600 * 1000
 MAX_NAME_LEN = 512
 UNKNOWN_KEY = "unknown session key: use the sk-sess-… key returned by /rl/start_session"
 
@@ -115,6 +116,13 @@ return {'ok', n}
 """
 )
 
+# KEYS: key hash, run claim. ARGV: run id, ttl_ms.
+_CLAIM_RUN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', ''} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'claimed', ARGV[1]} end
+return {'taken', redis.call('GET', KEYS[2])}
+"""
+
 _GET_RESPONSE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key'} end
 local r = redis.call('HMGET', KEYS[2], 'response', 'chain', 'chain_len')
@@ -143,6 +151,14 @@ class Lease:
 
     granted: bool
     retry_after_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunClaim:
+    """The outcome of a run claim: whether this run is the first, and the first run's id."""
+
+    claimed: bool
+    run_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,6 +192,7 @@ class ConversationStore:
         self._release = redis.register_script(_RELEASE)
         self._put_response = redis.register_script(_PUT_RESPONSE)
         self._get_response = redis.register_script(_GET_RESPONSE)
+        self._claim_run = redis.register_script(_CLAIM_RUN)
 
     def _conv_keys(self, digest: str, name: str) -> tuple[str, str, str]:
         _check_name(name, "the conversation name")
@@ -228,6 +245,21 @@ class ConversationStore:
         """Releases the lease if `holder` still holds it."""
         _, _, lease = self._conv_keys(digest, name)
         return bool(await self._release(keys=[lease], args=[holder]))
+
+    async def claim_run(
+        self, digest: str, name: str, *, idempotency_key: str, run_id: str, ttl_ms: int
+    ) -> RunClaim:
+        """Claims `idempotency_key` in the conversation for `run_id` unless a run has it."""
+        _check_name(idempotency_key, "the idempotency key")
+        _check_name(run_id, "the run id")
+        if not 0 < ttl_ms <= MAX_RUN_CLAIM_MS:
+            raise InvalidRequest(f"ttl_ms must be in 1..{MAX_RUN_CLAIM_MS}")
+        key, _, _ = self._conv_keys(digest, name)
+        claim = self._keys.conversation_run(key_id_of(digest), name, idempotency_key)
+        reply = await self._claim_run(keys=[key, claim], args=[run_id, ttl_ms])
+        _raise_for(reply)
+        first = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+        return RunClaim(claimed=_status(reply) == "claimed", run_id=first)
 
     async def put_response(
         self,

@@ -110,6 +110,19 @@ class ConversationsServicer(conversations_pb2_grpc.ConversationsServicer):
             found=True, response_json=stored.response_json, chain_items_json=stored.chain_items
         )
 
+    async def ClaimRun(self, request: pb.ClaimRunRequest, context: Context) -> pb.ClaimRunResponse:
+        try:
+            claim = await self._store.claim_run(
+                request.key_digest,
+                request.conversation,
+                idempotency_key=request.idempotency_key,
+                run_id=request.run_id,
+                ttl_ms=request.ttl_ms,
+            )
+        except RollgateError as err:
+            await abort_with(context, err)
+        return pb.ClaimRunResponse(claimed=claim.claimed, run_id=claim.run_id)
+
 
 def build_conversations(*, redis: aioredis.Redis, prefix: str) -> ConversationsServicer:
     """The Conversations servicer over one Redis client, under the dataproxy's key prefix."""

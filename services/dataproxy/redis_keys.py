@@ -103,6 +103,10 @@ class RedisKeys:
         """String holding the id of the run that holds the conversation's turn lease."""
         return f"{self.prefix}convlease:{key_id}:{name}"
 
+    def conversation_run(self, key_id: str, name: str, idempotency_key: str) -> str:
+        """String holding the id of the first run claimed under a WebSocket idempotencyKey."""
+        return f"{self.prefix}convrun:{key_id}:{name}:{idempotency_key}"
+
     def response(self, key_id: str, response_id: str) -> str:
         """Hash of one stored Responses response: response, parent, chain, chain_len."""
         return f"{self.prefix}resp:{key_id}:{response_id}"

@@ -98,6 +98,24 @@ class ConversationsClient:
             )
         )
 
+    async def claim_run(
+        self, digest: str, conversation: str, *, idempotency_key: str, run_id: str, ttl_ms: int
+    ) -> tuple[bool, str]:
+        """(claimed, the first run's id) for a run's idempotency key, across replicas."""
+        got = await self._call(
+            self._stub.ClaimRun(
+                pb.ClaimRunRequest(
+                    key_digest=digest,
+                    conversation=conversation,
+                    idempotency_key=idempotency_key,
+                    run_id=run_id,
+                    ttl_ms=ttl_ms,
+                ),
+                timeout=self._timeout_s,
+            )
+        )
+        return bool(got.claimed), str(got.run_id)
+
     async def put_response(
         self,
         digest: str,

@@ -433,6 +433,13 @@ class Connection:
             await self._send(ok(req.id, {"runId": run_id, "status": status}))
             return
         await self._require_episode()
+        first = await self.runs.claim(self.digest, conversation, run_id)
+        if first:
+            # Another replica (or a concurrent request here) started the run first.
+            known = self.runs.known_run(self.digest, first)
+            status = "ok" if known is not None and known.done() else "in_flight"
+            await self._send(ok(req.id, {"runId": first, "status": status}))
+            return
         message = self._message(req, run_id, text, "main")
         await self._send(ok(req.id, {"runId": run_id, "status": "started"}))
         self.runs.submit(self.digest, conversation, message)
@@ -448,6 +455,13 @@ class Connection:
         done = self.runs.known_run(self.digest, run_id)
         if done is None:
             await self._require_episode()
+            first = await self.runs.claim(self.digest, conversation, run_id)
+            done = self.runs.known_run(self.digest, first) if first else None
+            if first and done is None:
+                # The first run lives on another replica: its result cannot be awaited here.
+                await self._send(ok(req.id, {"runId": first, "status": "in_flight"}))
+                return
+        if done is None:
             message = self._message(req, run_id, text, agent_id)
             done = message.done
             self.runs.submit(self.digest, conversation, message)

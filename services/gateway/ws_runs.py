@@ -5,7 +5,8 @@ prompt, no tools) on the chat path, so it is recorded as an interaction of the k
 episode. Messages that arrive while a run of the same conversation is going are queued in this
 process; `collect` merges every queued message into one follow-up run, `followup` runs them one
 by one. Across gateway replicas the dataproxy's turn lease keeps runs of one conversation from
-overlapping: a run starts only once it holds the lease.
+overlapping: a run starts only once it holds the lease; and an idempotencyKey is claimed in
+Redis (`ClaimRun`) before its run starts, so a retry through another replica starts nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ log = get_logger(__name__)
 QUEUE_MODES = ("collect", "followup")
 # Finished runs remembered for idempotencyKey dedupe, per process.
 MAX_REMEMBERED_RUNS = 10_000
+# How long an idempotencyKey stays claimed in Redis, for every replica.
+RUN_CLAIM_TTL_MS = 24 * 3600 * 1000
 _LEASE_POLL_MAX_S = 0.5
 
 
@@ -110,6 +113,14 @@ class Runs:
     def known_run(self, digest: str, run_id: str) -> asyncio.Future[RunResult] | None:
         """The run already started under this idempotency key, if any."""
         return self._known.get((digest, run_id))
+
+    async def claim(self, digest: str, conversation: str, run_id: str) -> str:
+        """Claims the run's idempotencyKey across replicas: "" when this run is the first,
+        else the first run's id (this process may not know that run)."""
+        claimed, first = await self._store.claim_run(
+            digest, conversation, idempotency_key=run_id, run_id=run_id, ttl_ms=RUN_CLAIM_TTL_MS
+        )
+        return "" if claimed else first
 
     def submit(self, digest: str, conversation: str, message: Message) -> None:
         """Queues a message; starts the lane when it is idle."""
