@@ -81,6 +81,9 @@ class Interaction:
     weight_version_end: int = 0
     # "main", or "side" (X-Turn-Type: heartbeats, memory flushes); to_tensors leaves side out.
     turn_type: str = "main"
+    # How output_versions was made: "chunks" (per streamed chunk), "admission" (non-streaming,
+    # or written before the field existed) or "admission_uncounted" (chunk counts did not add up).
+    output_versions_source: str = "admission"
     # Group sampling (G > 1): samples 1..G-1 of this call; empty when G = 1.
     samples: tuple[Sample, ...] = ()
 
@@ -225,6 +228,7 @@ def _interaction(raw: Mapping[str, Any]) -> Interaction:
         reward_set=bool(raw.get("reward_set", False)),
         weight_version_end=int(raw.get("weight_version_end", 0) or 0),
         turn_type=str(raw.get("turn_type", "main") or "main"),
+        output_versions_source=str(raw.get("output_versions_source") or "admission"),
         samples=tuple(_sample(item) for item in raw.get("samples") or ()),
     )
 
