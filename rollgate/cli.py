@@ -147,7 +147,10 @@ def up_main(argv: Sequence[str]) -> int:
         gateway_port=args.port,
         workers=args.workers,
         replicas=args.replicas,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url or (file.redis_url if file else None) or None,
+        redis_prefix=os.environ.get("ROLLGATE_REDIS_PREFIX")
+        or (file.redis_prefix if file else None)
+        or "rg:",
         upstream_base_url=upstream,
         upstream_api_key=os.environ.get("ROLLGATE_UPSTREAM_API_KEY") or None,
         upstream_kind=os.environ.get("ROLLGATE_UPSTREAM_KIND") or None,
@@ -157,7 +160,7 @@ def up_main(argv: Sequence[str]) -> int:
         file=file,
     )
     stack = Stack(config)
-    _raise_on_sigterm()
+    _stop_on_signals()
     print("rollgate: starting redis, router, dataproxy, workers and gateway …", flush=True)
     try:
         stack.start()
@@ -183,11 +186,19 @@ def up_main(argv: Sequence[str]) -> int:
         stack.stop()
 
 
-def _raise_on_sigterm() -> None:
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT both stop the stack, even when SIGINT arrived ignored (a shell
+    starts background jobs that way): "Ctrl-C stops everything" holds however `up` runs.
+    Only the first signal counts: `make run` forwards Ctrl-C to `up` a second time, and a
+    second KeyboardInterrupt in the middle of the stop would orphan the services."""
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _first_model(gateway_url: str, admin_key: str) -> str:

@@ -68,9 +68,12 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
         env=env,
         # Ctrl-C goes to the whole foreground group in a terminal; here we signal `up` alone.
         start_new_session=True,
+        # As a shell starts a background job: SIGINT arrives ignored, and must still work.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
-        banner = "".join(_read_until(_lines(proc), "Ctrl-C stops everything", 90))
+        lines = _lines(proc)
+        banner = "".join(_read_until(lines, "Ctrl-C stops everything", 90))
         assert f"gateway http://127.0.0.1:{port}" in banner
         assert "MOCK LLM" in banner
         assert '"model": "rollgate-mock"' in banner, "the curl names a model that is served"
@@ -89,8 +92,33 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
             assert json.loads(resp.read())["api_key"].startswith("sk-sess-")
         trainer_port = int(state["trainer_address"].rsplit(":", 1)[1])
     finally:
+        # Ctrl-C under `make run` reaches `up` twice (make forwards it); the second one lands
+        # while the services are being stopped, and must not cut that short.
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        _read_until(lines, "rollgate: stopping", 30)
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            code = proc.wait(timeout=60)
     assert code == 0
     assert not _port_open(port), "the gateway still listens after Ctrl-C"
     assert not _port_open(trainer_port), "the dataproxy still listens after Ctrl-C"
+    left = _processes_with_env("ROLLGATE_REDIS_PREFIX", env["ROLLGATE_REDIS_PREFIX"])
+    assert not left, f"services still running after Ctrl-C: {left}"
+
+
+def _processes_with_env(name: str, value: str) -> list[str]:
+    """Command lines of the processes whose environment has name=value (the stack's own)."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            if wanted in (proc_dir / "environ").read_bytes().split(b"\0"):
+                found.append((proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
