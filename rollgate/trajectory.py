@@ -12,7 +12,7 @@ import msgpack  # type: ignore[import-untyped]
 
 # The only constants shared with the writer; the schema doc is the single source.
 SUPPORTED_CODECS = ("msgpack",)
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class TrajectoryDecodeError(ValueError):
@@ -159,6 +159,7 @@ def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
             f"trajectory schema version {version} is newer than this library's "
             f"({SCHEMA_VERSION}); upgrade rollgate"
         )
+    raw = inline_content(raw)
     return Trajectory(
         schema_version=version,
         trajectory_id=str(raw.get("trajectory_id", "")),
@@ -176,6 +177,42 @@ def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
         stats={str(k): int(v) for k, v in (raw.get("stats") or {}).items()},
         interactions=tuple(_interaction(item) for item in raw.get("interactions", ())),
     )
+
+
+def inline_content(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A msgpack-decoded trajectory map in the version 1 layout: each interaction's
+    `messages_ref` / `tools_ref` (version 2) replaced by `messages` / `tools` from the tables.
+
+    Messages and tool lists are shared between interactions that refer to the same entry
+    (each interaction has its own list): copy one before changing it in place.
+    """
+    out = dict(raw)
+    if int(raw.get("schema_version", 0)) < 2:
+        return out
+    messages_table = list(out.pop("messages_table", None) or [])
+    tools_table = list(out.pop("tools_table", None) or [])
+    out["interactions"] = [
+        _inlined(item, messages_table, tools_table) for item in raw.get("interactions") or ()
+    ]
+    return out
+
+
+def _inlined(
+    raw: Mapping[str, Any], messages_table: list[Any], tools_table: list[Any]
+) -> dict[str, Any]:
+    item = dict(raw)
+    item["messages"] = [_entry(messages_table, ref) for ref in item.pop("messages_ref", None) or ()]
+    tools_ref = item.pop("tools_ref", None)
+    item["tools"] = None if tools_ref is None else _entry(tools_table, tools_ref)
+    return item
+
+
+def _entry(table: list[Any], ref: Any) -> Any:
+    if not isinstance(ref, int) or not 0 <= ref < len(table):
+        raise TrajectoryDecodeError(
+            f"reference {ref!r} is outside its table ({len(table)} entries)"
+        )
+    return table[ref]
 
 
 def trajectory_to_json(trajectory: Trajectory) -> dict[str, Any]:

@@ -15,13 +15,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.turns import decode_turn
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
 CODEC: str = "msgpack"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Packed arrays are little-endian whatever the host: int32 ids/versions, float32 logprobs.
 _INT32 = struct.Struct("<i")
@@ -61,11 +62,13 @@ class _Turn:
 def build_trajectory(
     info: EpisodeInfo, turns: Sequence[bytes], rewards: Mapping[str, float]
 ) -> dict[str, Any]:
-    """The trajectory (schema version 1) of an episode, ready for `encode_trajectory`."""
+    """The trajectory (schema version 2) of an episode, ready for `encode_trajectory`."""
     decoded = [_decode_turn(raw) for raw in turns]
     parents = link_parents(decoded)
+    tables = _ContentTables()
     interactions = [
-        _interaction(index, turn, parents[index], rewards) for index, turn in enumerate(decoded)
+        _interaction(index, turn, parents[index], rewards, tables)
+        for index, turn in enumerate(decoded)
     ]
     versions = sorted(
         {int(turn.record.get("weight_version", 0) or 0) for turn in decoded}
@@ -86,8 +89,38 @@ def build_trajectory(
         "final_reward": interactions[-1]["reward"] if interactions else 0.0,
         "weight_versions": versions,
         "stats": _stats(decoded, parents, interactions),
+        # Each distinct message and tool list once; interactions refer to them by index.
+        "messages_table": tables.messages,
+        "tools_table": tables.tools,
         "interactions": interactions,
     }
+
+
+class _ContentTables:
+    """Distinct messages and tool lists of one trajectory, keyed by their exact JSON."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.tools: list[list[Any]] = []
+        self._message_index: dict[bytes, int] = {}
+        self._tools_index: dict[bytes, int] = {}
+
+    def message_refs(self, messages: Sequence[Any]) -> list[int]:
+        """The table index of each message, adding the ones not seen yet."""
+        return [_ref(self.messages, self._message_index, message) for message in messages]
+
+    def tools_ref(self, tools: list[Any] | None) -> int | None:
+        """The table index of the tool list; None when the request had none."""
+        return None if tools is None else _ref(self.tools, self._tools_index, tools)
+
+
+def _ref(table: list[Any], index: dict[bytes, int], value: Any) -> int:
+    key = orjson.dumps(value)
+    found = index.get(key)
+    if found is None:
+        found = index[key] = len(table)
+        table.append(value)
+    return found
 
 
 def encode_trajectory(trajectory: Mapping[str, Any]) -> bytes:
@@ -152,7 +185,7 @@ def _versions_of(interaction: Mapping[str, Any]) -> set[int]:
 
 
 def _decode_turn(raw: bytes) -> _Turn:
-    record: Mapping[str, Any] = msgpack.unpackb(raw, raw=False)
+    record: Mapping[str, Any] = decode_turn(raw)
     request = _json_object(record.get("request_json"))
     messages = request.get("messages")
     tools = request.get("tools")
@@ -168,7 +201,11 @@ def _decode_turn(raw: bytes) -> _Turn:
 
 
 def _interaction(
-    index: int, turn: _Turn, parent: int | None, rewards: Mapping[str, float]
+    index: int,
+    turn: _Turn,
+    parent: int | None,
+    rewards: Mapping[str, float],
+    tables: _ContentTables,
 ) -> dict[str, Any]:
     record = turn.record
     interaction_id = str(record.get("interaction_id", ""))
@@ -184,8 +221,8 @@ def _interaction(
         "ttft_s": float(record.get("ttft_s", 0.0) or 0.0),
         "model": str(record.get("upstream_model", "")),
         "upstream_kind": str(record.get("upstream_kind", "")),
-        "messages": turn.messages,
-        "tools": turn.tools,
+        "messages_ref": tables.message_refs(turn.messages),
+        "tools_ref": tables.tools_ref(turn.tools),
         "output": turn.output,
         "finish_reason": str(record.get("finish_reason", "")),
         "usage": _json_object(record.get("usage_json")),

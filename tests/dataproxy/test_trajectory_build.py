@@ -11,7 +11,7 @@ import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
 
-from rollgate.trajectory import decode_trajectory
+from rollgate.trajectory import decode_trajectory, inline_content
 from services.dataproxy.trajectory import (
     CODEC,
     SCHEMA_VERSION,
@@ -96,7 +96,7 @@ def assistant(interaction_id: str) -> dict[str, Any]:
 def test_trajectory_carries_identity_timing_and_schema_version() -> None:
     t = build_trajectory(INFO, [turn("c1", messages=[SYSTEM, user("hi")])], {"c1": 1.0})
 
-    assert t["schema_version"] == SCHEMA_VERSION == 1
+    assert t["schema_version"] == SCHEMA_VERSION == 2
     assert (t["trajectory_id"], t["session_id"], t["task_id"], t["key_id"]) == (
         "traj-1",
         "task-7",
@@ -109,7 +109,7 @@ def test_trajectory_carries_identity_timing_and_schema_version() -> None:
         "end_session",
         None,
     )
-    first = t["interactions"][0]
+    first = inline_content(t)["interactions"][0]
     assert first["messages"] == [SYSTEM, user("hi")]
     assert first["output"] == assistant("c1")
     assert first["usage"] == {"prompt_tokens": 0}
@@ -257,7 +257,8 @@ def test_tools_and_group_id_are_carried() -> None:
     t = build_trajectory(info, [turn("c1", messages=[user("a")], tools=tools)], {})
 
     assert t["group_id"] == "g1"
-    assert t["interactions"][0]["tools"] == tools
+    assert t["tools_table"] == [tools] and t["interactions"][0]["tools_ref"] == 0
+    assert inline_content(t)["interactions"][0]["tools"] == tools
 
 
 def test_group_size_is_carried_and_absent_without_a_group() -> None:

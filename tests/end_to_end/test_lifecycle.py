@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from rollgate.stack import Stack
+from rollgate.trajectory import inline_content
 from tests.end_to_end.test_walkthrough import chat_body, request
 from tests.harness.processes import stack_config
 
@@ -66,7 +67,9 @@ def published(stack: Stack) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(stack.redis_url)
     try:
         entries: Any = client.xrange(f"{stack.config.redis_prefix}trajectories")
-        return [msgpack.unpackb(fields[b"data"], raw=False) for _id, fields in entries]
+        return [
+            inline_content(msgpack.unpackb(fields[b"data"], raw=False)) for _id, fields in entries
+        ]
     finally:
         client.close()
 

@@ -12,6 +12,7 @@ import orjson
 import redis
 
 from rollgate.stack import Stack
+from rollgate.trajectory import inline_content
 
 MODEL = "rollgate-mock"
 T = 30.0
@@ -31,7 +32,7 @@ def _last_trajectory(stack: Stack) -> dict[str, Any]:
         entries: Any = client.xrange(f"{stack.config.redis_prefix}trajectories")
     finally:
         client.close()
-    trajectory: dict[str, Any] = msgpack.unpackb(entries[-1][1][b"data"], raw=False)
+    trajectory: dict[str, Any] = inline_content(msgpack.unpackb(entries[-1][1][b"data"], raw=False))
     return trajectory
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from protos import trainer_pb2
 from rollgate.tensors import to_tensors
-from rollgate.trajectory import decode_trajectory
+from rollgate.trajectory import decode_trajectory, inline_content
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.test_lifecycle import AUTH_METADATA, MODEL, Chain, ChainFactory, chain
 
@@ -64,7 +64,7 @@ async def openclaw_call(
 
 async def trajectories(c: Chain) -> list[dict[str, Any]]:
     entries: Any = await c.redis.xrange(c.keys.trajectories)
-    return [msgpack.unpackb(fields[b"data"], raw=False) for _, fields in entries]
+    return [inline_content(msgpack.unpackb(fields[b"data"], raw=False)) for _, fields in entries]
 
 
 async def test_rl_keys_issues_a_header_mode_key_only_to_the_admin(chain: ChainFactory) -> None:

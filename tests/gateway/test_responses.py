@@ -12,6 +12,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from rollgate.trajectory import inline_content
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.test_full_chain import MODEL, Stack, _auth, _start, stack
 
@@ -28,7 +29,7 @@ async def published(stack: Stack, redis: aioredis.Redis, key: str) -> dict[str, 
     await _start(stack, api_key=key)
     entries = await redis.xrange(f"{stack.prefix}trajectories")
     assert len(entries) == before + 1
-    trajectory: dict[str, Any] = msgpack.unpackb(entries[-1][1][b"data"], raw=False)
+    trajectory: dict[str, Any] = inline_content(msgpack.unpackb(entries[-1][1][b"data"], raw=False))
     return trajectory
 
 

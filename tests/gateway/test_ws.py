@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from rollgate.trajectory import inline_content
 from services.gateway.app import build_app
 from services.gateway.ws import WS_CONFIG
 from services.gateway.ws_protocol import WsConfig
@@ -139,7 +140,7 @@ async def published(stack: Stack, redis: aioredis.Redis, key: str) -> dict[str, 
     await _start(stack, api_key=key)
     entries = await redis.xrange(f"{stack.prefix}trajectories")
     assert len(entries) == before + 1
-    trajectory: dict[str, Any] = msgpack.unpackb(entries[-1][1][b"data"], raw=False)
+    trajectory: dict[str, Any] = inline_content(msgpack.unpackb(entries[-1][1][b"data"], raw=False))
     return trajectory
 
 
@@ -512,7 +513,7 @@ async def test_a_refresh_keeps_the_socket_and_the_next_turn_joins_the_new_episod
     async with stack.http.post(stack.url + "/rl/end_session", headers=_auth(key)) as resp:
         assert resp.status == 200
     entries = await redis_client.xrange(f"{stack.prefix}trajectories")
-    episode_two = msgpack.unpackb(entries[-1][1][b"data"], raw=False)
+    episode_two = inline_content(msgpack.unpackb(entries[-1][1][b"data"], raw=False))
     assert episode_two["session_id"] != episode_one["session_id"]
     [interaction] = episode_two["interactions"]
     # The conversation belongs to the key: turn one is still in the history.

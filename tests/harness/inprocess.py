@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import aiohttp
 import grpc
-import msgpack  # type: ignore[import-untyped]
 import orjson
 import redis.asyncio as aioredis
 
@@ -26,6 +25,7 @@ from services.dataproxy.__main__ import serving as dataproxy_serving
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
+from services.dataproxy.turns import decode_turn
 from services.gateway.app import GatewayServer
 from services.router.__main__ import serving as router_serving
 from services.router.settings import RouterSettings
@@ -99,8 +99,8 @@ class DataproxyChain:
         """The recorded turn records of the key's current episode."""
         key: Any = await self.redis.hgetall(self.keys.key(digest))
         episode = key[b"episode"].decode()
-        raw = await self.redis.lrange(self.keys.turns(key_id_of(digest), episode), 0, -1)
-        return [msgpack.unpackb(item, raw=False) for item in raw]
+        raw: Any = await self.redis.lrange(self.keys.turns(key_id_of(digest), episode), 0, -1)
+        return [decode_turn(item) for item in raw]
 
 
 @contextlib.asynccontextmanager

@@ -91,6 +91,10 @@ async def test_tail_prints_published_trajectories_as_json_and_never_joins_a_grou
     assert [line["trajectory_id"] for line in lines] == ["t1", "t2"]
     assert [line["stream_id"] for line in lines] == stream_ids
     first = lines[0]["interactions"][0]
+    # Schema 2 stores messages once per trajectory; the JSON still shows them expanded.
+    assert first["messages"] == [{"role": "user", "content": "hi"}] and first["tools"] is None
+    assert "messages_ref" not in first and "messages_table" not in lines[0]
+    assert lines[0]["schema_version"] == 2
     assert first["prompt_token_ids"] == [1, 2, 3]
     assert first["output_token_ids"] == [4, 5]
     assert first["output_logprobs"] == [-0.5, -0.25]

@@ -57,7 +57,7 @@ def test_unknown_fields_are_ignored_and_missing_optional_ones_default() -> None:
 
 def test_a_newer_schema_version_is_refused_with_advice() -> None:
     with pytest.raises(TrajectoryDecodeError, match="upgrade rollgate"):
-        decode_trajectory(blob(schema_version=2))
+        decode_trajectory(blob(schema_version=3))
 
 
 def test_an_unknown_codec_is_refused() -> None:
