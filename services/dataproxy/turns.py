@@ -64,6 +64,17 @@ def compress_request(request_json: bytes) -> bytes:
     return zlib.compress(request_json, _REQUEST_ZLIB_LEVEL)
 
 
+# Below this size a request is stored as is: compressing it saves little and costs hot-path CPU.
+_COMPRESS_FROM_BYTES = 4096
+
+
+def _request_fields(request_json: bytes) -> dict[str, Any]:
+    """The turn record's `request_json` (compressed when large) and its `request_codec`."""
+    if len(request_json) < _COMPRESS_FROM_BYTES:
+        return {"request_json": request_json}
+    return {"request_json": compress_request(request_json), "request_codec": REQUEST_CODEC_ZLIB}
+
+
 def request_json_of(turn: Mapping[str, Any]) -> bytes:
     """A decoded turn record's request JSON, decompressed as its `request_codec` says."""
     raw = bytes(turn.get("request_json") or b"")
@@ -125,8 +136,7 @@ def encode_turn(
             "upstream_model": record.upstream_model,
             "upstream_kind": record.upstream_kind,
             "finish_reason": record.finish_reason,
-            "request_json": compress_request(record.request_json),
-            "request_codec": REQUEST_CODEC_ZLIB,
+            **_request_fields(record.request_json),
             "assistant_message_json": record.assistant_message_json,
             "usage_json": record.usage_json or b"{}",
             "prompt_token_ids": pack_int32(record.prompt_token_ids),

@@ -180,3 +180,14 @@ def test_an_unknown_request_codec_is_an_error_not_garbage() -> None:
 
     with pytest.raises(ValueError, match="brotli"):
         decode_turn(msgpack.packb(stored, use_bin_type=True))
+
+
+def test_a_small_request_is_stored_as_is_without_paying_for_compression() -> None:
+    request = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    record = common_pb2.TurnRecord(interaction_id="chatcmpl-small", request_json=request)
+
+    stored = msgpack.unpackb(encode_turn(record, weight_version=0, now=1.0), raw=False)
+
+    assert stored["request_json"] == request
+    assert "request_codec" not in stored
+    assert decode_turn(encode_turn(record, weight_version=0, now=1.0))["request_json"] == request
