@@ -59,6 +59,11 @@ class Admitted(Protocol):
         """The weight version when the turn was admitted."""
         ...
 
+    @property
+    def idle_member(self) -> str:
+        """The turn's episode as `P idle` and `P epturns` name it (`digest/episode`)."""
+        ...
+
 
 AdmittedT = TypeVar("AdmittedT", bound=Admitted)
 # begin(token, lease deadline): the admitted turn, or None while submission is paused.
@@ -67,10 +72,12 @@ Begin = Callable[[str, float], Awaitable[AdmittedT | None]]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnLease:
-    """An admitted turn: its in-flight token and the weight version when it was admitted."""
+    """An admitted turn: its in-flight token, the weight version when it was admitted and its
+    episode's `digest/episode` (whose running-turn count the release decrements)."""
 
     token: str
     weight_version: int
+    member: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +144,12 @@ class Control:
         while True:
             admitted = await begin(token, time.time() + self._lease_s)
             if admitted is not None:
-                return admitted, TurnLease(token=token, weight_version=admitted.weight_version)
+                lease = TurnLease(
+                    token=token,
+                    weight_version=admitted.weight_version,
+                    member=admitted.idle_member,
+                )
+                return admitted, lease
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(
@@ -147,9 +159,14 @@ class Control:
             delay = min(delay * 2, POLL_MAX_S)
 
     async def release(self, lease: TurnLease) -> None:
-        """The turn finished (recorded or not): it no longer counts as in flight."""
+        """The turn finished (recorded or not): it no longer counts as in flight, nor among its
+        episode's running turns (once: a lease its append already released is not counted)."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            await self._redis.zrem(self._keys.in_flight, lease.token)
+            await self._scripts.release_turn.run(
+                self._redis,
+                [self._keys.in_flight, self._keys.episode_turns],
+                [lease.token, lease.member],
+            )
 
     async def in_flight(self) -> int:
         """Turns running over all replicas (expired leases of dead replicas not counted)."""

@@ -56,6 +56,11 @@ class RedisKeys:
         return f"{self.prefix}idle"
 
     @property
+    def episode_turns(self) -> str:
+        """Hash `digest/episode` → turns of the episode holding an in-flight lease (absent: 0)."""
+        return f"{self.prefix}epturns"
+
+    @property
     def awaiting_reward(self) -> str:
         """Zset `digest/episode` → deadline of ended episodes held for a late reward."""
         return f"{self.prefix}awaiting_reward"

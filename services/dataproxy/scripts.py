@@ -47,6 +47,7 @@ class Scripts:
     extend_marker: LuaScript
     begin_turn: LuaScript
     claim_due: LuaScript
+    release_turn: LuaScript
 
     @classmethod
     def load(cls) -> Scripts:
@@ -60,4 +61,5 @@ class Scripts:
             extend_marker=LuaScript.load("extend_marker"),
             begin_turn=LuaScript.load("begin_turn"),
             claim_due=LuaScript.load("claim_due"),
+            release_turn=LuaScript.load("release_turn"),
         )

@@ -131,6 +131,11 @@ class ActiveEpisode:
         """The X-Session-Id in header mode; with per-episode keys the episode name."""
         return self.client_session_id or self.episode
 
+    @property
+    def idle_member(self) -> str:
+        """The episode as `P idle` and `P epturns` name it: `digest/episode`."""
+        return f"{self.digest}/{self.episode}"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Publication:
@@ -536,6 +541,7 @@ class SessionStore:
                     self._keys.session(key.key_id, key.session_id)
                     if key.mode == HEADER_MODE
                     else self._keys.stats,
+                    self._keys.episode_turns,
                 ],
                 [
                     key.episode,
@@ -801,6 +807,7 @@ class SessionStore:
                     if session_id
                     else self._keys.paused,
                     self._keys.idle,
+                    self._keys.episode_turns,
                 ],
                 [token, repr(lease_until), repr(time.time()), session_id, digest],
             )
@@ -911,6 +918,7 @@ class SessionStore:
                 self._keys.idle,
                 self._keys.in_flight,
                 self._keys.weight_version,
+                self._keys.episode_turns,
             ],
             [
                 episode.episode,
@@ -919,7 +927,7 @@ class SessionStore:
                 record,
                 repr(now),
                 repr(now + self._policy.session_idle_timeout_s),
-                f"{episode.digest}/{episode.episode}",
+                episode.idle_member,
                 episode.lease_token,
                 expected,
                 episode.mode,

@@ -1,11 +1,13 @@
 -- Starts a turn in one round trip: resolves the key to its episode, refuses while submission
 -- is paused, registers the turn's in-flight lease, pushes the episode's idle deadline to at
 -- least the lease's (so the idle reaper never ends an episode while one of its turns runs,
--- however long that turn is) and reads the weight version it is stamped with. A header-mode
--- key's episode is the one its session pointer names.
+-- however long that turn is), counts the turn among its episode's running turns and reads the
+-- weight version it is stamped with. A header-mode key's episode is the one its session
+-- pointer names.
 -- KEYS[1] key hash, KEYS[2] paused flag, KEYS[3] in-flight zset (token → lease deadline),
 -- KEYS[4] weight version, KEYS[5] the session pointer hash (header mode; unused otherwise),
--- KEYS[6] idle zset ({digest}/{episode} → idle deadline)
+-- KEYS[6] idle zset ({digest}/{episode} → idle deadline), KEYS[7] running-turns hash
+-- ({digest}/{episode} → turns holding a lease)
 -- ARGV: token, lease deadline, now, session id ('' when none), key digest
 -- Returns {status, key_id, episode, epoch, weight_version, mode}: ok | unknown (no such key) |
 -- not_active (a per-episode key between episodes) | needs_session (a header-mode key without
@@ -35,6 +37,7 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
 redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), ARGV[1])
 local member = ARGV[5] .. '/' .. episode
+redis.call('HINCRBY', KEYS[7], member, 1)
 local idle_deadline = tonumber(redis.call('ZSCORE', KEYS[6], member) or '0')
 if idle_deadline < tonumber(ARGV[2]) then
   redis.call('ZADD', KEYS[6], tonumber(ARGV[2]), member)

@@ -4,7 +4,8 @@
 -- KEYS[1] key hash, KEYS[2] episode hash, KEYS[3] turns, KEYS[4] rewards, KEYS[5] index,
 -- KEYS[6] trajectories stream, KEYS[7] stats hash, KEYS[8] idle zset, KEYS[9] awaiting zset,
 -- KEYS[10] trajectory's group record, KEYS[11] group hash (unused without a group),
--- KEYS[12] the session pointer hash (header mode; unused otherwise)
+-- KEYS[12] the session pointer hash (header mode; unused otherwise), KEYS[13] running-turns
+-- hash (the episode's count is dropped: its turns still running find it ended)
 -- ARGV[1] episode, ARGV[2] epoch, ARGV[3] expected turn count, ARGV[4] trajectory_id,
 -- ARGV[5] codec, ARGV[6] data ('' when the caller wants a hold), ARGV[7] now,
 -- ARGV[8] end_reason, ARGV[9] ttl_s of ended records, ARGV[10] zset member,
@@ -75,6 +76,7 @@ if hold_deadline > 0 and not held and turns > 0 then
     'end_reason', ARGV[8])
   unbind('held', '', ARGV[4], turns, ARGV[7])
   redis.call('ZREM', KEYS[8], ARGV[10])
+  redis.call('HDEL', KEYS[13], ARGV[10])
   redis.call('ZADD', KEYS[9], hold_deadline, ARGV[10])
   return {'held', '', ARGV[4], turns}
 end
@@ -124,6 +126,7 @@ else
   unbind(status, stream_id, trajectory_id, turns, ended_at)
 end
 redis.call('ZREM', KEYS[8], ARGV[10])
+redis.call('HDEL', KEYS[13], ARGV[10])
 redis.call('ZREM', KEYS[9], ARGV[10])
 redis.call('UNLINK', KEYS[3], KEYS[4], KEYS[5])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[9]))
