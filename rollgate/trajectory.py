@@ -181,7 +181,8 @@ def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
 
 def inline_content(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A msgpack-decoded trajectory map in the version 1 layout: each interaction's
-    `messages_ref` / `tools_ref` (version 2) replaced by `messages` / `tools` from the tables.
+    `messages_ref` / `tools_ref` (version 2) replaced by `messages` / `tools` from the tables,
+    and its `prompt_prefix` (version 2) resolved into whole `prompt_token_ids`.
 
     Messages and tool lists are shared between interactions that refer to the same entry
     (each interaction has its own list): copy one before changing it in place.
@@ -191,9 +192,12 @@ def inline_content(raw: Mapping[str, Any]) -> dict[str, Any]:
         return out
     messages_table = list(out.pop("messages_table", None) or [])
     tools_table = list(out.pop("tools_table", None) or [])
-    out["interactions"] = [
-        _inlined(item, messages_table, tools_table) for item in raw.get("interactions") or ()
-    ]
+    interactions: list[dict[str, Any]] = []
+    for item in raw.get("interactions") or ():
+        inlined = _inlined(item, messages_table, tools_table)
+        inlined["prompt_token_ids"] = _whole_prompt(inlined, interactions)
+        interactions.append(inlined)
+    out["interactions"] = interactions
     return out
 
 
@@ -205,6 +209,33 @@ def _inlined(
     tools_ref = item.pop("tools_ref", None)
     item["tools"] = None if tools_ref is None else _entry(tools_table, tools_ref)
     return item
+
+
+def _whole_prompt(item: dict[str, Any], earlier: list[dict[str, Any]]) -> bytes:
+    """The interaction's prompt ids: its `prompt_prefix` (removed from `item`), if any, taken
+    from an earlier interaction already made whole, then its own stored ids."""
+    own = bytes(item.get("prompt_token_ids") or b"")
+    prefix = item.pop("prompt_prefix", None)
+    if prefix is None:
+        return own
+    if not isinstance(prefix, Mapping):
+        raise TrajectoryDecodeError(f"prompt_prefix {prefix!r} is not a map")
+    source_index, source, length = prefix.get("from"), prefix.get("source"), prefix.get("length")
+    if not isinstance(source_index, int) or not 0 <= source_index < len(earlier):
+        raise TrajectoryDecodeError(
+            f"prompt_prefix from {source_index!r} is not one of the "
+            f"{len(earlier)} interactions before it"
+        )
+    shared = bytes(earlier[source_index]["prompt_token_ids"])
+    if source == "prompt+output":
+        shared += bytes(earlier[source_index].get("output_token_ids") or b"")
+    elif source != "prompt":
+        raise TrajectoryDecodeError(f"prompt_prefix source {source!r} is not known")
+    if not isinstance(length, int) or not 0 <= length * 4 <= len(shared):
+        raise TrajectoryDecodeError(
+            f"prompt_prefix length {length!r} is longer than its source ({len(shared) // 4} ids)"
+        )
+    return shared[: length * 4] + own
 
 
 def _entry(table: list[Any], ref: Any) -> Any:

@@ -28,6 +28,10 @@ SCHEMA_VERSION = 2
 _INT32 = struct.Struct("<i")
 _FLOAT32_BYTES = 4
 
+# A prompt shares ids with an earlier interaction only from this many on: below it the
+# `prompt_prefix` map costs about what it saves.
+MIN_SHARED_PROMPT_IDS = 64
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EpisodeInfo:
@@ -70,6 +74,7 @@ def build_trajectory(
         _interaction(index, turn, parents[index], rewards, tables)
         for index, turn in enumerate(decoded)
     ]
+    _share_prompt_prefixes(decoded, interactions)
     versions = sorted(
         {int(turn.record.get("weight_version", 0) or 0) for turn in decoded}
         | {v for i in interactions for v in _versions_of(i)}
@@ -121,6 +126,62 @@ def _ref(table: list[Any], index: dict[bytes, int], value: Any) -> int:
         found = index[key] = len(table)
         table.append(value)
     return found
+
+
+def _share_prompt_prefixes(turns: Sequence[_Turn], interactions: list[dict[str, Any]]) -> None:
+    """Stores each prompt as a prefix shared with an earlier interaction plus its own suffix."""
+    extended = [turn.prompt_ids + turn.output_ids for turn in turns]
+    for index, turn in enumerate(turns):
+        shared = _longest_shared_prefix(turn.prompt_ids, extended[:index])
+        if shared is None:
+            continue
+        source_index, length = shared
+        source = turns[source_index]
+        interactions[index]["prompt_prefix"] = {
+            "from": source_index,
+            "source": "prompt" if length * 4 <= len(source.prompt_ids) else "prompt+output",
+            "length": length,
+        }
+        interactions[index]["prompt_token_ids"] = turn.prompt_ids[length * 4 :]
+
+
+def _longest_shared_prefix(prompt: bytes, earlier: Sequence[bytes]) -> tuple[int, int] | None:
+    """Which earlier prompt + output ids share the most leading ids with `prompt`, and how
+    many; None below `MIN_SHARED_PROMPT_IDS`."""
+    best: tuple[int, int] | None = None
+    best_len = MIN_SHARED_PROMPT_IDS - 1
+    # Latest first, so that on a tie the latest wins (as for parents).
+    for candidate in range(len(earlier) - 1, -1, -1):
+        if min(len(prompt), len(earlier[candidate])) // 4 <= best_len:
+            continue
+        length = _common_ids(prompt, earlier[candidate])
+        if length > best_len:
+            best, best_len = (candidate, length), length
+    return best
+
+
+# Bytes compared at a time while looking for the first difference: slicing bytes copies, but
+# memcmp on copies is ~25x faster than comparing memoryviews element by element.
+_CHUNK_BYTES = 4096
+
+
+def _common_ids(a: bytes, b: bytes) -> int:
+    """How many leading int32 ids two packed arrays share (compared as bytes)."""
+    end = min(len(a), len(b)) // 4 * 4
+    if a[:end] == b[:end]:  # the usual case: this prompt extends the earlier one
+        return end // 4
+    low = 0  # a[:low] == b[:low]; the first difference is in the next chunk
+    while a[low : low + _CHUNK_BYTES] == b[low : low + _CHUNK_BYTES]:
+        low += _CHUNK_BYTES
+    high = min(low + _CHUNK_BYTES, end) // 4  # a[:high * 4] != b[:high * 4]
+    low //= 4
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low * 4 : middle * 4] == b[low * 4 : middle * 4]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def encode_trajectory(trajectory: Mapping[str, Any]) -> bytes:

@@ -8,6 +8,7 @@ import logging
 import pathlib
 import shutil
 import subprocess
+import zlib
 from typing import Any
 
 # Prose from the standard library's own docstrings (read from source, so `-OO` does not
@@ -77,3 +78,8 @@ def tools() -> list[dict[str, Any]]:
         }
         for name in names
     ]
+
+
+def prompt_ids(text: str) -> list[int]:
+    """Token ids like a real tokenizer's for `text`: one id per ~4 characters, vocab-sized."""
+    return [zlib.crc32(text[i : i + 4].encode()) % 151_000 for i in range(0, len(text), 4)]
