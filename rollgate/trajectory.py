@@ -19,22 +19,13 @@ class TrajectoryDecodeError(ValueError):
     """The bytes are not a trajectory this library can read."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sample:
-    """Another sample of a group-sampled call (G > 1): same prompt, its own output."""
+class _OutputArrays:
+    """The packed output arrays of a sample, unpacked on access."""
 
-    # 1..G-1 (sample 0 is the interaction itself, the one the agent received).
-    sample_index: int
-    output: dict[str, Any]
-    finish_reason: str
+    __slots__ = ()
     output_token_ids_bytes: bytes
     output_logprobs_bytes: bytes
     output_versions_bytes: bytes
-    exact_tokens: bool
-    length_mismatch: bool
-    # The interaction's reward (the whole group shares it).
-    reward: float
-    reward_set: bool
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -53,7 +44,25 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Interaction:
+class Sample(_OutputArrays):
+    """Another sample of a group-sampled call (G > 1): same prompt, its own output."""
+
+    # 1..G-1 (sample 0 is the interaction itself, the one the agent received).
+    sample_index: int
+    output: dict[str, Any]
+    finish_reason: str
+    output_token_ids_bytes: bytes
+    output_logprobs_bytes: bytes
+    output_versions_bytes: bytes
+    exact_tokens: bool
+    length_mismatch: bool
+    # The interaction's reward (the whole group shares it).
+    reward: float
+    reward_set: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interaction(_OutputArrays):
     """One LLM call of a trajectory, with its packed token arrays kept as bytes."""
 
     interaction_id: str
@@ -91,21 +100,6 @@ class Interaction:
     def prompt_token_ids(self) -> list[int]:
         """The prompt's token ids as the model saw them."""
         return _unpack("i", self.prompt_token_ids_bytes)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """The sampled output token ids."""
-        return _unpack("i", self.output_token_ids_bytes)
-
-    @property
-    def output_logprobs(self) -> list[float]:
-        """One logprob per sampled output token (float32 precision)."""
-        return _unpack_float(self.output_logprobs_bytes)
-
-    @property
-    def output_versions(self) -> list[int]:
-        """The weight version that produced each output token."""
-        return _unpack("i", self.output_versions_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,7 @@ from services.runtime.grpc_client import ChannelPool
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import service_main
+from services.runtime.tasks import cancel_and_wait
 
 SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer", "rollgate.v1.Conversations")
 REDIS_PING_TIMEOUT_S = 5.0
@@ -148,9 +149,7 @@ async def _reaping(store: SessionStore, settings: DataProxySettings) -> AsyncIte
             async with asyncio.timeout(REAPER_STOP_S):
                 await task
         except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +17,7 @@ from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -299,9 +299,7 @@ class WeightVersionView:
         tb: TracebackType | None,
     ) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _reread(self) -> None:

@@ -39,6 +39,7 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import constant_time_equals, key_digest, key_id_of, new_session_key
 from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -318,9 +319,7 @@ class SessionStore:
         try:
             yield
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await cancel_and_wait(keeper)
             await self._scripts.release_marker.run(self._redis, [marker], [token])
 
     async def _keep_marker(self, marker: str, token: str, ttl_s: float) -> None:

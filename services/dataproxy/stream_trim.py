@@ -11,7 +11,6 @@ a trimmer: the script is idempotent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -20,6 +19,7 @@ from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -102,9 +102,7 @@ class StreamTrimmer:
         traceback: TracebackType | None,
     ) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def run(self) -> None:
