@@ -26,7 +26,7 @@ lint: $(STAMP)
 protos: $(STAMP)  ## regenerate the gRPC stubs after editing protos/*.proto
 	PYTHON=$(BIN)/python bash protos/generate.sh
 
-bench: $(STAMP)  ## gateway vs direct-to-upstream throughput and latency
+bench: $(STAMP)  ## rollgate vs the mock called directly vs the floor (bench/floor.py), per cell; Redis growth per turn
 	$(BIN)/python bench/run.py $(ARGS)
 
 clean:

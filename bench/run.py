@@ -1,49 +1,106 @@
-"""Throughput and added latency through the gateway versus directly to the mock upstream.
+"""rollgate against the mock upstream called directly and against the floor, cell by cell.
 
-Starts the real stack (separate processes, embedded Redis, mock LLM answering after
-`--upstream-ms`), then, in one run, drives the same requests directly at the mock and through
-the gateway at concurrency 1 and 16, streaming and not. Prints a table and writes JSON to
-bench/results/. Usage: `make bench` or `.venv/bin/python bench/run.py [--seconds 5]`.
+Each cell sets the mock (delay before the first token, tokens per answer, delay between
+tokens) and a load (streaming or not, clients, the request body), starts the mock, the floor
+(bench/floor.py: one Python hop that relays bytes and records nothing) and the real stack as
+separate processes, warms all three up, then runs direct, floor and rollgate in alternating
+rounds (the order rotates each round, so contention on a shared machine hits all three).
+Printed per cell: medians over the rounds with the min-max spread, rollgate's ratio to direct
+and to the floor, added p50 / p99 / time to first token, CPU per request of every process
+(from /proc, over the measured rounds) and, at the end, the Redis memory an open
+OpenClaw-like episode gains per turn. Raw results go to bench/results/.
+
+Usage: `make bench` or `.venv/bin/python bench/run.py [--rounds 5] [--seconds 3] [--cells …]`.
+`--rollgate-root DIR` runs the services of another checkout (its .venv) with this bench, the
+mock and the floor of this one: before/after numbers from one bench.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
+import redis
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import openclaw
 
 from rollgate.redis_server import free_port
 from rollgate.stack import Stack, StackConfig
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+MODEL = "rollgate-mock"
+TARGETS = ("direct", "floor", "rollgate")
+# Processes whose CPU is rollgate's (the services); Redis and the mock are reported apart.
+SERVICE_KINDS = ("gateway", "router", "dataproxy", "worker")
+START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Result:
-    """One scenario's measurements."""
+class Cell:
+    """One workload: the mock's timing and size, the clients and the body."""
+
+    name: str
+    title: str
+    stream: bool
+    clients: int
+    first_token_ms: float
+    tokens: int
+    token_interval_ms: float
+    openclaw: bool = False
+
+
+CELLS = (
+    Cell(name="unary-1", title="unary, 1 client (20 ms, 16, 0)", stream=False, clients=1,
+         first_token_ms=20, tokens=16, token_interval_ms=0),
+    Cell(name="unary-16", title="unary, 16 clients (20 ms, 16, 0)", stream=False, clients=16,
+         first_token_ms=20, tokens=16, token_interval_ms=0),
+    Cell(name="stream-16", title="stream, 16 clients (20 ms, 16, 0)", stream=True, clients=16,
+         first_token_ms=20, tokens=16, token_interval_ms=0),
+    Cell(name="long-stream-32", title="long stream, 32 clients (20 ms, 256, 4 ms)", stream=True,
+         clients=32, first_token_ms=20, tokens=256, token_interval_ms=4),
+    Cell(name="openclaw-16", title="OpenClaw-sized (60 KB), streamed, 16 clients (50 ms, 64, 0)",
+         stream=True, clients=16, first_token_ms=50, tokens=64, token_interval_ms=0,
+         openclaw=True),
+)  # fmt: skip
+GROWTH_CELL = "redis-growth"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    """One target's measurements in one round."""
 
     target: str
-    stream: bool
-    concurrency: int
+    round: int
     requests: int
     errors: int
+    seconds: float
     rps: float
     p50_ms: float
     p99_ms: float
     ttft_p50_ms: float
-    ttft_p99_ms: float
-    # CPU milliseconds each kind of process spent per request (gateway runs only).
-    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    # CPU seconds each process (by name) spent during the round.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -53,194 +110,481 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _one(
-    session: aiohttp.ClientSession,
-    url: str,
-    key: str,
-    stream: bool,
-    lat: list[float],
-    ttft: list[float],
-) -> bool:
-    body = {
-        "model": "rollgate-mock",
-        "messages": [{"role": "user", "content": "benchmark request, please answer briefly"}],
-        "max_tokens": 16,
-        "stream": stream,
-    }
-    started = time.perf_counter()
-    async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
-        if resp.status != 200:
-            await resp.read()
-            return False
-        if stream:
-            first = None
-            async for line in resp.content:
-                if first is None and line.startswith(b"data: {"):
-                    first = time.perf_counter()
-                if line.startswith(b"data: [DONE]"):
-                    break
-            ttft.append(((first or time.perf_counter()) - started) * 1000)
-        else:
-            await resp.read()
-    lat.append((time.perf_counter() - started) * 1000)
-    return True
+def _request_body(cell: Cell) -> bytes:
+    if cell.openclaw:
+        return orjson.dumps(openclaw.body(MODEL))
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "benchmark request, please answer briefly"}],
+            "stream": cell.stream,
+        }
+    )
 
 
-async def _scenario(
-    target: str, url: str, keys: list[str], stream: bool, concurrency: int, seconds: float
-) -> Result:
-    lat: list[float] = []
-    ttft: list[float] = []
-    errors = 0
-    connector = aiohttp.TCPConnector(limit=concurrency * 2)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(3):  # warm-up: connections, routes and caches
-            await _one(session, url, keys[0], stream, [], [])
-        deadline = time.perf_counter() + seconds
+class Load:
+    """Clients that send the same request in a loop and time each answer."""
+
+    def __init__(self, session: aiohttp.ClientSession, *, body: bytes, stream: bool) -> None:
+        self._session = session
+        self._body = body
+        self._stream = stream
+
+    async def one(self, url: str, key: str, lat: list[float], ttft: list[float]) -> bool:
+        """One request; False when it failed (status, or a stream without [DONE])."""
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
         started = time.perf_counter()
+        async with self._session.post(url, data=self._body, headers=headers) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return False
+            if self._stream:
+                first: float | None = None
+                tail = b""
+                async for data in resp.content.iter_any():
+                    if first is None:
+                        first = time.perf_counter()
+                    tail = (tail + data)[-64:]
+                if b"data: [DONE]" not in tail:
+                    return False
+                ttft.append(((first or time.perf_counter()) - started) * 1000)
+            else:
+                await resp.read()
+        lat.append((time.perf_counter() - started) * 1000)
+        return True
+
+    async def run(
+        self, url: str, keys: list[str], clients: int, seconds: float
+    ) -> tuple[list[float], list[float], int, float]:
+        """Latencies, times to first byte, errors and the elapsed time of `seconds` of load."""
+        lat: list[float] = []
+        ttft: list[float] = []
+        errors = 0
+        deadline = time.perf_counter() + seconds
 
         async def client(i: int) -> None:
             nonlocal errors
             while time.perf_counter() < deadline:
-                if not await _one(session, url, keys[i % len(keys)], stream, lat, ttft):
+                try:
+                    ok = await self.one(url, keys[i % len(keys)], lat, ttft)
+                except aiohttp.ClientError:
+                    ok = False
+                if not ok:
                     errors += 1
 
-        await asyncio.gather(*(client(i) for i in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return Result(
-        target=target,
-        stream=stream,
-        concurrency=concurrency,
-        requests=len(lat),
-        errors=errors,
-        rps=len(lat) / elapsed,
-        p50_ms=statistics.median(lat) if lat else float("nan"),
-        p99_ms=_pct(lat, 0.99),
-        ttft_p50_ms=statistics.median(ttft) if ttft else float("nan"),
-        ttft_p99_ms=_pct(ttft, 0.99),
-    )
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        return lat, ttft, errors, time.perf_counter() - started
 
 
-async def _start_sessions(gateway: str, admin_key: str, n: int) -> list[str]:
+class Processes:
+    """CPU seconds (user + system, all threads) of named processes, from /proc."""
+
+    def __init__(self) -> None:
+        self.pids: dict[str, int] = {}
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU used so far by each process."""
+        used = {}
+        for name, pid in self.pids.items():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            used[name] = (int(stat[11]) + int(stat[12])) / self._tick
+        return used
+
+
+def kind_of(name: str) -> str:
+    """gateway-2 → gateway, worker-1 → worker; redis, mock and floor as they are."""
+    for kind in SERVICE_KINDS:
+        if name == kind or name.startswith(kind + "-"):
+            return kind
+    return name
+
+
+@dataclass(slots=True)
+class Environment:
+    """The processes of one cell: mock, floor, the stack, and their URLs."""
+
+    mock_url: str
+    floor_url: str
+    stack: Stack
+    processes: Processes
+    keys: list[str]
+
+
+def _spawn(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd
+        )
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited during start-up:\n{log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer in time")
+
+
+@contextlib.contextmanager
+def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Environment]:
+    """Starts the mock, the floor and the stack for `cell`; stops them afterwards."""
+    logs = tmp / cell.name
+    logs.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    mock_port, floor_port = free_port(), free_port()
+    mock = _spawn(
+        [
+            python, "-m", "rollgate.mock_llm", "--port", str(mock_port),
+            "--latency-ms", str(cell.first_token_ms),
+            "--token-interval-ms", str(cell.token_interval_ms),
+            "--answer-tokens", str(cell.tokens), "--model", MODEL,
+        ],
+        logs / "mock.log", REPO,
+    )  # fmt: skip
+    mock_url = f"http://127.0.0.1:{mock_port}"
+    floor = None
+    try:
+        _wait_http(mock_url + "/v1/models", mock, logs / "mock.log")
+        floor = _spawn(
+            [python, str(HERE / "floor.py"), "--port", str(floor_port), "--upstream", mock_url],
+            logs / "floor.log",
+            REPO,
+        )
+        floor_url = f"http://127.0.0.1:{floor_port}"
+        _wait_http(floor_url + "/v1/models", floor, logs / "floor.log")
+        root = Path(args.rollgate_root).resolve()
+        config = StackConfig(
+            admin_key="rg-admin-" + uuid.uuid4().hex,
+            gateway_port=free_port(),
+            workers=args.workers,
+            upstream_base_url=mock_url + "/v1",
+            upstream_kind="vllm",
+            python=str(root / ".venv" / "bin" / "python"),
+            state_dir=logs,
+            extra_env={"ROLLGATE_LOG_LEVEL": "warning"},
+        )
+        # The services are `python -m services.…` from `root` (their checkout, their venv).
+        here = Path.cwd()
+        os.chdir(root)
+        try:
+            stack = Stack(config).start()
+        finally:
+            os.chdir(here)
+        try:
+            processes = Processes()
+            processes.pids = {"mock": mock.pid, "floor": floor.pid}
+            for name, service in stack.services.items():
+                if service.process is not None:
+                    processes.pids[name] = service.process.pid
+            info: Any = redis.Redis.from_url(stack.redis_url).info("server")
+            processes.pids["redis"] = int(info["process_id"])
+            keys = asyncio.run(_start_sessions(stack, max(cell.clients, 1)))
+            yield Environment(
+                mock_url=mock_url, floor_url=floor_url, stack=stack, processes=processes, keys=keys
+            )
+        finally:
+            stack.stop()
+    finally:
+        for process in (floor, mock):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=15)
+
+
+async def _start_sessions(stack: Stack, n: int) -> list[str]:
     keys = []
     async with aiohttp.ClientSession() as session:
         for i in range(n):
             async with session.post(
-                f"{gateway}/rl/start_session",
+                f"{stack.gateway_url}/rl/start_session",
                 json={"task_id": f"bench-{i}"},
-                headers={"Authorization": f"Bearer {admin_key}"},
+                headers={"Authorization": f"Bearer {stack.config.admin_key}"},
             ) as resp:
                 resp.raise_for_status()
                 keys.append((await resp.json())["api_key"])
     return keys
 
 
-async def _run(stack: Stack, seconds: float) -> list[Result]:
-    assert stack.mock_url is not None
-    keys = await _start_sessions(stack.gateway_url, stack.config.admin_key, 16)
-    results = []
-    for stream in (False, True):
-        for concurrency in (1, 16):
-            direct = await _scenario(
-                "direct",
-                f"{stack.mock_url}/chat/completions",
-                ["unused"],
-                stream,
-                concurrency,
-                seconds,
-            )
-            before = _cpu_s(stack)
-            gateway = await _scenario(
-                "gateway",
-                f"{stack.gateway_url}/v1/chat/completions",
-                keys,
-                stream,
-                concurrency,
-                seconds,
-            )
-            spent = {k: v - before[k] for k, v in _cpu_s(stack).items()}
-            gateway = replace(
-                gateway,
-                cpu_ms_per_request={
-                    kind: round(1000 * s / max(1, gateway.requests + 3), 3)
-                    for kind, s in spent.items()
-                },
-            )
-            results += [direct, gateway]
-    return results
+def _urls(env: Environment) -> dict[str, str]:
+    return {
+        "direct": f"{env.mock_url}/v1/chat/completions",
+        "floor": f"{env.floor_url}/v1/chat/completions",
+        "rollgate": f"{env.stack.gateway_url}/v1/chat/completions",
+    }
 
 
-def _cpu_s(stack: Stack) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by each kind of service process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    used: dict[str, float] = {}
-    for service in stack.services.values():
-        if service.process is None:
-            continue
-        fields = Path(f"/proc/{service.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        kind = "mock" if service.kind == "http" else service.kind
-        used[kind] = used.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return used
+async def _measure(cell: Cell, env: Environment, args: argparse.Namespace) -> list[Round]:
+    urls = _urls(env)
+    keys = {"direct": ["unused"], "floor": ["unused"], "rollgate": env.keys}
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=120)
+    rounds: list[Round] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        load = Load(session, body=_request_body(cell), stream=cell.stream)
+        for target in TARGETS:  # warm-up: connections, routes, caches, the JIT-less paths
+            await load.run(urls[target], keys[target], cell.clients, args.warmup_s)
+        for number in range(args.rounds):
+            order = TARGETS[number % 3 :] + TARGETS[: number % 3]
+            for target in order:
+                before = env.processes.cpu_s()
+                lat, ttft, errors, elapsed = await load.run(
+                    urls[target], keys[target], cell.clients, args.seconds
+                )
+                after = env.processes.cpu_s()
+                rounds.append(
+                    Round(
+                        target=target,
+                        round=number,
+                        requests=len(lat),
+                        errors=errors,
+                        seconds=elapsed,
+                        rps=len(lat) / elapsed,
+                        p50_ms=statistics.median(lat) if lat else float("nan"),
+                        p99_ms=_pct(lat, 0.99),
+                        ttft_p50_ms=statistics.median(ttft) if ttft else float("nan"),
+                        cpu_s={k: after[k] - before.get(k, after[k]) for k in after},
+                    )
+                )
+    return rounds
 
 
-def _table(results: list[Result]) -> str:
-    rows = [
-        "| mode | conc | direct rps | gateway rps | ratio | direct p50 | gw p50 | added p50 | "
-        "added p99 | direct ttft p50 | gw ttft p50 | added ttft p50 | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spread:
+    """A median over rounds and its min-max."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        """The spread of `values`."""
+        if not values:
+            return cls(median=float("nan"), low=float("nan"), high=float("nan"))
+        return cls(median=statistics.median(values), low=min(values), high=max(values))
+
+    def show(self, digits: int = 2) -> str:
+        """`median (low-high)`."""
+        return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
+
+
+def _cpu_ms_per_request(rounds: list[Round], target: str) -> dict[str, float]:
+    """CPU ms per answered request by process kind, over every round of `target`."""
+    mine = [r for r in rounds if r.target == target]
+    requests = sum(r.requests for r in mine) or 1
+    by_kind: dict[str, float] = {}
+    for r in mine:
+        for name, seconds in r.cpu_s.items():
+            by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + seconds
+    return {kind: 1000 * s / requests for kind, s in by_kind.items()}
+
+
+def summarize(cell: Cell, rounds: list[Round]) -> dict[str, Any]:
+    """The cell's medians, spreads, ratios, added latencies, CPU and goal checks."""
+    by = {t: [r for r in rounds if r.target == t] for t in TARGETS}
+    paired = list(zip(by["direct"], by["floor"], by["rollgate"], strict=True))
+    cpu = {t: _cpu_ms_per_request(rounds, t) for t in TARGETS}
+    services = sum(cpu["rollgate"].get(k, 0.0) for k in SERVICE_KINDS)
+    floor_cpu = cpu["floor"].get("floor", float("nan"))
+    summary: dict[str, Any] = {
+        "cell": cell.name,
+        "title": cell.title,
+        "rps": {t: Spread.of([r.rps for r in by[t]]) for t in TARGETS},
+        "floor_to_direct": Spread.of([f.rps / d.rps for d, f, _ in paired]),
+        "to_direct": Spread.of([g.rps / d.rps for d, _, g in paired]),
+        "to_floor": Spread.of([g.rps / f.rps for _, f, g in paired]),
+        "added_p50_ms": Spread.of([g.p50_ms - d.p50_ms for d, _, g in paired]),
+        "added_p99_ms": Spread.of([g.p99_ms - d.p99_ms for d, _, g in paired]),
+        "floor_added_p50_ms": Spread.of([f.p50_ms - d.p50_ms for d, f, _ in paired]),
+        "added_ttft_ms": Spread.of([g.ttft_p50_ms - d.ttft_p50_ms for d, _, g in paired])
+        if cell.stream
+        else None,
+        "errors": {t: sum(r.errors for r in by[t]) for t in TARGETS},
+        "requests": {t: sum(r.requests for r in by[t]) for t in TARGETS},
+        "cpu_ms": cpu,
+        "services_cpu_ms": services,
+        "floor_cpu_ms": floor_cpu,
+        "cpu_to_floor": services / floor_cpu if floor_cpu else float("nan"),
+    }
+    goals = {
+        "rollgate/floor >= 0.90": summary["to_floor"].median >= 0.90,
+        "CPU <= 3x floor": summary["cpu_to_floor"] <= 3.0,
+    }
+    if cell.name == "unary-1":
+        goals["added p50 <= 2.0 ms"] = summary["added_p50_ms"].median <= 2.0
+    if cell.name == "stream-16":
+        goals["added ttft <= 5 ms"] = summary["added_ttft_ms"].median <= 5.0
+    summary["goals"] = goals
+    return summary
+
+
+def _show_cell(s: dict[str, Any]) -> str:
+    rps = s["rps"]
+    lines = [
+        f"### {s['title']}",
+        "",
+        f"rps: direct {rps['direct'].show(0)}, floor {rps['floor'].show(0)}, "
+        f"rollgate {rps['rollgate'].show(0)}",
+        f"floor / direct {s['floor_to_direct'].show()} (floor adds "
+        f"{s['floor_added_p50_ms'].show()} ms p50)",
+        f"rollgate / direct {s['to_direct'].show()}, rollgate / floor {s['to_floor'].show()}",
+        f"added p50 {s['added_p50_ms'].show()} ms, added p99 {s['added_p99_ms'].show()} ms"
+        + (f", added ttft {s['added_ttft_ms'].show()} ms" if s["added_ttft_ms"] else ""),
     ]
-    for direct, gw in zip(results[::2], results[1::2], strict=True):
+    cpu = s["cpu_ms"]["rollgate"]
+    per_kind = ", ".join(f"{k} {cpu.get(k, 0.0):.2f}" for k in SERVICE_KINDS)
+    lines.append(
+        f"CPU ms/request: rollgate {s['services_cpu_ms']:.2f} ({per_kind}; redis "
+        f"{cpu.get('redis', 0.0):.2f}, mock {cpu.get('mock', 0.0):.2f}); floor "
+        f"{s['floor_cpu_ms']:.2f} (mock {s['cpu_ms']['floor'].get('mock', 0.0):.2f}); direct mock "
+        f"{s['cpu_ms']['direct'].get('mock', 0.0):.2f}; rollgate / floor {s['cpu_to_floor']:.1f}x"
+    )
+    lines.append(f"errors: {s['errors']}, requests: {s['requests']}")
+    lines.append(
+        "goals: " + ", ".join(f"{g} {'met' if ok else 'NOT met'}" for g, ok in s["goals"].items())
+    )
+    return "\n".join(lines)
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    """The README's table: one row per cell, medians (min-max over rounds)."""
+    rows = [
+        "| cell | floor / direct | rollgate / direct | rollgate / floor | added p50 ms | "
+        "added p99 ms | added ttft ms | CPU ms/req rollgate (gw, rt, dp, wk) | floor CPU | "
+        "CPU / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        cpu = s["cpu_ms"]["rollgate"]
+        kinds = ", ".join(f"{cpu.get(k, 0.0):.2f}" for k in SERVICE_KINDS)
+        ttft = s["added_ttft_ms"].show(1) if s["added_ttft_ms"] else "-"
         rows.append(
-            f"| {'stream' if gw.stream else 'unary'} | {gw.concurrency} | {direct.rps:.0f} | "
-            f"{gw.rps:.0f} | {gw.rps / direct.rps:.2f} | {direct.p50_ms:.2f} | {gw.p50_ms:.2f} | "
-            f"{gw.p50_ms - direct.p50_ms:.2f} | {gw.p99_ms - direct.p99_ms:.2f} | "
-            f"{direct.ttft_p50_ms:.2f} | {gw.ttft_p50_ms:.2f} | "
-            f"{gw.ttft_p50_ms - direct.ttft_p50_ms:.2f} | {direct.errors + gw.errors} |"
-        )
-    rows += ["", "CPU ms per request through the gateway, by process kind:", ""]
-    kinds = sorted({k for r in results[1::2] for k in r.cpu_ms_per_request})
-    rows += ["| mode | conc | " + " | ".join(kinds) + " | total |", "|---" * (len(kinds) + 3) + "|"]
-    for gw in results[1::2]:
-        cpu = gw.cpu_ms_per_request
-        rows.append(
-            f"| {'stream' if gw.stream else 'unary'} | {gw.concurrency} | "
-            + " | ".join(f"{cpu.get(k, 0):.2f}" for k in kinds)
-            + f" | {sum(cpu.values()):.2f} |"
+            f"| {s['title']} | {s['floor_to_direct'].show()} | {s['to_direct'].show()} | "
+            f"{s['to_floor'].show()} | {s['added_p50_ms'].show(1)} | "
+            f"{s['added_p99_ms'].show(1)} | {ttft} | {s['services_cpu_ms']:.2f} ({kinds}) | "
+            f"{s['floor_cpu_ms']:.2f} | {s['cpu_to_floor']:.1f}x |"
         )
     return "\n".join(rows)
 
 
+# -- Redis growth of an open episode --------------------------------------------------------
+
+
+def _answer_text(raw: bytes) -> str:
+    parts = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices") or ():
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+async def _growth(env: Environment, turns: int) -> dict[str, Any]:
+    """used_memory after each turn of one open episode whose prompt repeats every turn."""
+    client = redis.Redis.from_url(env.stack.redis_url)
+    key = env.keys[0]
+    url = f"{env.stack.gateway_url}/v1/chat/completions"
+    history: list[dict[str, Any]] = [openclaw.user_message(2, size=500)]
+    used: list[int] = []
+    added: list[int] = []
+    async with aiohttp.ClientSession() as session:
+        for turn in range(turns):
+            body = orjson.dumps(openclaw.body(MODEL, history))
+            async with session.post(
+                url, data=body, headers={"Authorization": f"Bearer {key}"}
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200 or b"data: [DONE]" not in raw:
+                    raise RuntimeError(f"growth turn failed: {resp.status} {raw[-300:]!r}")
+            info: Any = client.info("memory")
+            used.append(int(info["used_memory"]))
+            answer = {"role": "assistant", "content": _answer_text(raw)}
+            user = openclaw.user_message(turn + 3, size=500)
+            history += [answer, user]
+            added.append(len(orjson.dumps(answer)) + len(orjson.dumps(user)))
+    # used[i] - used[i-1] is what turn i stored; turn i sent what turn i-1 added.
+    steady = range(2, turns)
+    per_turn = [used[i] - used[i - 1] for i in steady]
+    mean = (used[-1] - used[1]) / max(1, turns - 2)
+    added_mean = statistics.mean(added[i - 1] for i in steady)
+    limit = 4096 + 2 * added_mean
+    return {
+        "turns": turns,
+        "first_turn_bytes": used[0],
+        "per_turn_bytes": per_turn,
+        "mean_per_turn_bytes": mean,
+        "added_per_turn_bytes": added_mean,
+        "limit_bytes": limit,
+        "met": mean <= limit,
+    }
+
+
+def _show_growth(g: dict[str, Any]) -> str:
+    return (
+        f"### Redis growth of an open OpenClaw-like episode ({g['turns']} turns)\n\n"
+        f"used_memory per turn (turns 3..{g['turns']}): mean {g['mean_per_turn_bytes']:.0f} B, "
+        f"per turn {g['per_turn_bytes']}; each turn added {g['added_per_turn_bytes']:.0f} B of "
+        f"messages; goal <= 4 KB + 2 x added = {g['limit_bytes']:.0f} B: "
+        f"{'met' if g['met'] else 'NOT met'}"
+    )
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs every scenario once and prints the comparison table."""
+    """Runs the chosen cells and prints each one's numbers, the table and the Redis growth."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each scenario")
-    parser.add_argument(
-        "--upstream-ms", type=float, default=20.0, help="mock latency to first token"
-    )
-    parser.add_argument("--token-interval-ms", type=float, default=0.0, help="mock delay per token")
+    names = [c.name for c in CELLS] + [GROWTH_CELL]
+    parser.add_argument("--cells", nargs="*", default=names, choices=names)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of one round")
+    parser.add_argument("--warmup-s", type=float, default=2.0, help="warm-up per target")
     parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="rollgate-bench-") as tmp:
-        config = StackConfig(
-            admin_key="rg-admin-" + uuid.uuid4().hex,
-            gateway_port=free_port(),
-            workers=args.workers,
-            mock_latency_ms=args.upstream_ms,
-            mock_token_interval_ms=args.token_interval_ms,
-            state_dir=Path(tmp),
-            extra_env={"ROLLGATE_LOG_LEVEL": "warning"},
-        )
-        with Stack(config) as stack:
-            results = asyncio.run(_run(stack, args.seconds))
-    print(
-        f"upstream latency {args.upstream_ms} ms, {args.seconds} s per scenario, "
-        f"{args.workers} workers, 16 tokens per answer"
+    parser.add_argument("--growth-turns", type=int, default=12)
+    parser.add_argument(
+        "--rollgate-root", default=str(REPO), help="checkout whose services (and .venv) run"
     )
-    print(_table(results))
+    args = parser.parse_args(argv)
+    uvloop.install()
+    summaries: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {"args": vars(args), "cells": {}}
+    growth: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="rollgate-bench-") as tmp:
+        for cell in CELLS:
+            if cell.name not in args.cells:
+                continue
+            with environment(cell, args, Path(tmp)) as env:
+                rounds = asyncio.run(_measure(cell, env, args))
+            summary = summarize(cell, rounds)
+            summaries.append(summary)
+            raw["cells"][cell.name] = {"rounds": [asdict(r) for r in rounds]}
+            print(_show_cell(summary), "\n", flush=True)
+        if GROWTH_CELL in args.cells:
+            cell = next(c for c in CELLS if c.openclaw)
+            single = Cell(**{**asdict(cell), "name": GROWTH_CELL, "clients": 1})
+            with environment(single, args, Path(tmp)) as env:
+                growth = asyncio.run(_growth(env, args.growth_turns))
+            raw["growth"] = growth
+            print(_show_growth(growth), "\n", flush=True)
+    if summaries:
+        print(table(summaries))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    print(f"raw results: {out}")
+    raw["summaries"] = summaries
+    out.write_text(json.dumps(raw, indent=2, default=lambda o: asdict(o)))
+    print(f"\nraw results: {out}")
     return 0
 
 

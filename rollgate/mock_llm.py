@@ -121,7 +121,13 @@ class _BadRequest(Exception):
     pass
 
 
-def _plan(body: dict[str, Any], default_model: str, index: int = 0, flavor: str = "vllm") -> _Plan:
+def _plan(
+    body: dict[str, Any],
+    default_model: str,
+    index: int = 0,
+    flavor: str = "vllm",
+    answer_tokens: int = 0,
+) -> _Plan:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadRequest("'messages' must be a non-empty list")
@@ -140,6 +146,7 @@ def _plan(body: dict[str, Any], default_model: str, index: int = 0, flavor: str 
         thinking=thinking,
         prompt_ids=[token_id(p) for p in tokenize(render_prompt(messages))],
         raw_markup=flavor == "sglang",
+        answer_tokens=answer_tokens,
     )
 
 
@@ -153,6 +160,7 @@ def _plan_answer(
     thinking: bool,
     prompt_ids: list[int],
     raw_markup: bool = False,
+    answer_tokens: int = 0,
 ) -> _Plan:
 
     def make(piece: str, channel: str, text: str | None = None) -> _Token:
@@ -194,7 +202,7 @@ def _plan_answer(
         finish_reason = "tool_calls"
     else:
         reply = f"Mock reply {rng.randint(1, 99)}: you said {echo}".rstrip()
-        tokens += [make(p, "content") for p in tokenize(reply)]
+        tokens += [make(p, "content") for p in _sized(tokenize(reply), answer_tokens)]
         finish_reason = "stop"
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     sampling = body.get("sampling_params")
@@ -220,6 +228,19 @@ def _plan_answer(
         want_usage=isinstance(stream_options, dict) and bool(stream_options.get("include_usage")),
         stream=bool(body.get("stream")),
     )
+
+
+_FILLER = tokenize(" and then the mock went on talking about nothing in particular")
+
+
+def _sized(pieces: list[str], answer_tokens: int) -> list[str]:
+    """The reply's pieces cut or padded with filler words to `answer_tokens` (0: as they are)."""
+    if answer_tokens <= 0:
+        return pieces
+    filler = itertools.cycle(_FILLER)
+    return (pieces + [next(filler) for _ in range(max(0, answer_tokens - len(pieces)))])[
+        :answer_tokens
+    ]
 
 
 def _logprob_entry(token: _Token, top: int) -> dict[str, Any]:
@@ -553,6 +574,7 @@ class MockLLM:
         strict_model: bool = False,
         decode: Callable[[list[int]], str] | None = None,
         usage_choices: str = "empty",
+        answer_tokens: int = 0,
     ) -> None:
         if flavor not in FLAVORS:
             raise ValueError(f"flavor {flavor!r} is not one of {', '.join(FLAVORS)}")
@@ -571,6 +593,8 @@ class MockLLM:
         self.port = port
         self.latency_s = latency_ms / 1000
         self.token_interval_s = token_interval_ms / 1000
+        # > 0: every text answer has exactly this many tokens (before a max_tokens cut).
+        self.answer_tokens = answer_tokens
         self.model = model
         self.api_key = api_key
         self.stats = MockStats()
@@ -649,7 +673,9 @@ class MockLLM:
         try:
             n = body.get("n") or 1
             count = n if isinstance(n, int) else 1
-            plans = [_plan(body, self.model, i, self.flavor) for i in range(count)]
+            plans = [
+                _plan(body, self.model, i, self.flavor, self.answer_tokens) for i in range(count)
+            ]
         except _BadRequest as err:
             return _error(400, str(err))
         if self.flavor != "vllm":
@@ -776,6 +802,12 @@ def main(argv: list[str] | None = None) -> int:
         "--latency-ms", type=float, default=0.0, help="delay before the first token"
     )
     parser.add_argument("--token-interval-ms", type=float, default=0.0, help="delay between tokens")
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=0,
+        help="tokens in every text answer (0: a short echo of the last user message)",
+    )
     parser.add_argument("--model", default="rollgate-mock")
     parser.add_argument("--api-key", default=None, help="require this bearer key (401 otherwise)")
     parser.add_argument(
@@ -802,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         flavor=args.flavor,
         strict_model=args.strict_model,
         usage_choices=args.usage_choices,
+        answer_tokens=args.answer_tokens,
     )
 
     async def serve() -> None:

@@ -107,3 +107,31 @@ async def test_the_openai_sdk_gets_a_401_from_a_keyed_mock() -> None:
         await keyed.close()
     assert [m.id for m in models.data] == ["rollgate-mock"]
     assert mock.stats.requests == 1
+
+
+@pytest.mark.parametrize("answer_tokens", [3, 256])
+async def test_answer_tokens_sizes_every_text_answer_streamed_or_not(answer_tokens: int) -> None:
+    async with MockLLM(port=0, answer_tokens=answer_tokens) as mock:
+        client = openai.AsyncOpenAI(base_url=mock.base_url, api_key="unused")
+        stream = await client.chat.completions.create(
+            model="rollgate-mock",
+            messages=[{"role": "user", "content": "hi there"}],
+            stream=True,
+            logprobs=True,
+        )
+        streamed = [
+            len(event.choices[0].logprobs.content)
+            async for event in stream
+            if event.choices and event.choices[0].logprobs and event.choices[0].logprobs.content
+        ]
+        unary = await client.chat.completions.create(
+            model="rollgate-mock", messages=[{"role": "user", "content": "hi there"}]
+        )
+        capped = await client.chat.completions.create(
+            model="rollgate-mock", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        await client.close()
+    assert sum(streamed) == len(streamed) == answer_tokens
+    assert unary.usage is not None and unary.usage.completion_tokens == answer_tokens
+    assert unary.choices[0].finish_reason == "stop"
+    assert capped.choices[0].finish_reason == "length"
