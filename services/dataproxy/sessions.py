@@ -37,8 +37,9 @@ from services.runtime.errors import (
     Unauthenticated,
     Unavailable,
 )
-from services.runtime.keys import constant_time_equals, key_digest, key_id_of, new_session_key
+from services.runtime.keys import key_digest, key_id_of, new_session_key
 from services.runtime.logs import get_logger
+from services.runtime.secret import Secret
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -208,7 +209,7 @@ class SessionStore:
         redis: aioredis.Redis,
         keys: RedisKeys,
         scripts: Scripts,
-        admin_key: str,
+        admin_key: Secret,
         refresh_lock_s: float,
         policy: EpisodePolicy | None = None,
     ) -> None:
@@ -229,7 +230,7 @@ class SessionStore:
     async def start(self, *, task_id: str, api_key: str, group_size: int = 0) -> StartedSession:
         """A new key with its first episode, a group of new keys, or a refresh of `api_key`."""
         task_id = task_id.strip()
-        if api_key and self._admin_key and constant_time_equals(api_key, self._admin_key):
+        if api_key and self._admin_key.matches(api_key):
             raise InvalidRequest("the admin key cannot be used as a session key")
         if group_size < 0 or group_size > MAX_GROUP_SIZE:
             raise InvalidRequest(f"group_size must be between 1 and {MAX_GROUP_SIZE}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str, redis_url
 
 
@@ -17,9 +18,9 @@ class DataProxySettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "rg:"
     # Verifies the Trainer service's callers; required.
-    admin_key: str = ""
+    admin_key: Secret = NO_SECRET
     # A second key that may call the Trainer service (optional).
-    trainer_key: str = ""
+    trainer_key: Secret = NO_SECRET
     # Deadline for one turn at the worker, streaming included.
     turn_timeout_s: float = 600.0
     # How long a start or refresh waits for capacity before 429 (the key stays valid).
@@ -74,8 +75,8 @@ class DataProxySettings:
             port=port if port is not None else 50052,
             redis_url=redis_url(environ),
             redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),
-            admin_key=admin_key,
-            trainer_key=env_str(environ, "ROLLGATE_TRAINER_KEY", ""),
+            admin_key=Secret(admin_key),
+            trainer_key=Secret(env_str(environ, "ROLLGATE_TRAINER_KEY", "")),
             turn_timeout_s=env_float(environ, "ROLLGATE_TURN_TIMEOUT_S", 600.0),
             refresh_timeout_s=_positive(environ, "ROLLGATE_REFRESH_TIMEOUT_S", 120.0),
             max_head_offpolicyness=max_head_offpolicyness,

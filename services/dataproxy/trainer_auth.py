@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable
 from typing import Any
 
 from services.runtime.errors import Unauthenticated
+from services.runtime.secret import Secret, matches_any
 
 _MISSING = (
     "the Trainer service needs the admin key (or the trainer key) as "
@@ -17,15 +17,13 @@ _MISSING = (
 class TrainerAuth:
     """Checks call metadata against the admin key and the optional trainer key."""
 
-    def __init__(self, *, admin_key: str, trainer_key: str = "") -> None:
-        self._keys = tuple(key.encode() for key in (admin_key, trainer_key) if key)
+    def __init__(self, *, admin_key: Secret, trainer_key: Secret | None = None) -> None:
+        self._keys = tuple(key for key in (admin_key, trainer_key) if key)
 
     def check(self, metadata: Iterable[Any] | None) -> None:
         """Returns if a valid bearer key is present; else raises Unauthenticated."""
         token = _bearer(metadata)
-        # Compare against every key, so timing says nothing about which one was close.
-        matches = [hmac.compare_digest(token, key) for key in self._keys]
-        if not token or not any(matches):
+        if not token or not matches_any(self._keys, token):
             raise Unauthenticated(_MISSING, code="invalid_trainer_key")
 
 

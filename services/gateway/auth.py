@@ -6,7 +6,8 @@ import enum
 from collections.abc import Mapping
 
 from services.runtime.errors import Unauthenticated
-from services.runtime.keys import constant_time_equals, looks_like_session_key
+from services.runtime.keys import looks_like_session_key
+from services.runtime.secret import Secret
 
 MISSING_KEY_MESSAGE = (
     "missing API key: send `Authorization: Bearer <sk-sess-… session key from /rl/start_session>`"
@@ -40,16 +41,16 @@ def read_key(headers: Mapping[str, str]) -> str | None:
     return api_key or None
 
 
-def classify(key: str, admin_key: str) -> KeyKind:
+def classify(key: str, admin_key: Secret) -> KeyKind:
     """ADMIN for the admin key, SESSION for the `sk-sess-` shape, OTHER for anything else."""
-    if constant_time_equals(key, admin_key):
+    if admin_key.matches(key):
         return KeyKind.ADMIN
     if looks_like_session_key(key):
         return KeyKind.SESSION
     return KeyKind.OTHER
 
 
-def require_session_key(headers: Mapping[str, str], admin_key: str) -> str:
+def require_session_key(headers: Mapping[str, str], admin_key: Secret) -> str:
     """The session key of the request, or Unauthenticated saying which key to send."""
     key = read_key(headers)
     if key is None:
@@ -62,14 +63,14 @@ def require_session_key(headers: Mapping[str, str], admin_key: str) -> str:
     return key
 
 
-def require_admin_key(headers: Mapping[str, str], admin_key: str) -> None:
+def require_admin_key(headers: Mapping[str, str], admin_key: Secret) -> None:
     """Passes only for the admin key."""
     key = read_key(headers)
     if key is None or classify(key, admin_key) is not KeyKind.ADMIN:
         raise Unauthenticated(ADMIN_KEY_REQUIRED_MESSAGE, code="admin_key_required")
 
 
-def require_any_key(headers: Mapping[str, str], admin_key: str) -> tuple[KeyKind, str]:
+def require_any_key(headers: Mapping[str, str], admin_key: Secret) -> tuple[KeyKind, str]:
     """The admin key or a session-shaped key, with its kind."""
     key = read_key(headers)
     if key is None:

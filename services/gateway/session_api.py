@@ -18,7 +18,8 @@ from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.header_mode import SESSION_ID_HEADER
 from services.gateway.http_errors import json_response
 from services.runtime.errors import InvalidRequest, from_rpc_error
-from services.runtime.keys import constant_time_equals, key_digest, looks_like_session_key
+from services.runtime.keys import key_digest, looks_like_session_key
+from services.runtime.secret import Secret
 
 # As the dataproxy allows (services/dataproxy/sessions.py MAX_GROUP_SIZE).
 MAX_GROUP_SIZE = 1024
@@ -75,13 +76,13 @@ def _group_size(body: dict[str, Any]) -> int:
     return value
 
 
-def parse_start_session(raw: bytes, admin_key: str) -> StartSessionCall:
+def parse_start_session(raw: bytes, admin_key: Secret) -> StartSessionCall:
     """`{task_id?, api_key?, group_size?}`; refuses the admin key as a session key."""
     body = _json_object(raw)
     task_id = _optional_str(body, "task_id")
     group_size = _group_size(body)
     api_key = _optional_str(body, "api_key").strip()
-    if api_key and constant_time_equals(api_key, admin_key):
+    if api_key and admin_key.matches(api_key):
         raise InvalidRequest(
             "api_key is the admin key; pass a `sk-sess-…` key from an earlier "
             "/rl/start_session to refresh it, or omit api_key for a new one",

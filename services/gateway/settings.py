@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.ws_protocol import DEFAULT_SYSTEM_PROMPT
+from services.runtime.secret import Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -19,7 +20,7 @@ class GatewaySettings:
     """Everything the gateway needs to know at start-up."""
 
     # Authenticates /rl/start_session (and /v1/models); required, compared in constant time.
-    admin_key: str
+    admin_key: Secret
     host: str = "127.0.0.1"
     port: int = 8080
     router_addr: str = "127.0.0.1:50051"
@@ -73,7 +74,7 @@ class GatewaySettings:
         if refresh_timeout_s <= 0:
             raise ValueError(f"ROLLGATE_REFRESH_TIMEOUT_S={refresh_timeout_s} must be positive")
         return cls(
-            admin_key=admin_key,
+            admin_key=Secret(admin_key),
             host=host or env_str(environ, "ROLLGATE_GATEWAY_HOST", "127.0.0.1"),
             port=port if port is not None else 8080,
             router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),

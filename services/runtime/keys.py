@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 
 SESSION_KEY_PREFIX = "sk-sess-"
@@ -30,8 +29,3 @@ def key_digest(key: str) -> str:
 def key_id_of(digest: str) -> str:
     """The key id written into trajectories: a prefix of the digest, never the key."""
     return digest[:24]
-
-
-def constant_time_equals(a: str, b: str) -> bool:
-    """Compares secrets without leaking their contents through timing."""
-    return hmac.compare_digest(a.encode(), b.encode())

@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 from services.runtime.config import merged_environ
 from services.runtime.grpc_server import run, wait_for_stop_signal
 from services.runtime.logs import configure_logging, get_logger
+from services.runtime.secret import secrets_in
 
 log = get_logger(__name__)
 
@@ -60,7 +61,12 @@ def service_main(
         # A configuration problem is one clear line naming the setting, not a usage dump.
         print(f"{parser.prog}: {err}", file=sys.stderr)
         sys.exit(2)
-    configure_logging(service=service, json_logs=settings.log_json, level=settings.log_level)
+    configure_logging(
+        service=service,
+        json_logs=settings.log_json,
+        level=settings.log_level,
+        secrets=secrets_in(settings),
+    )
 
     async def serve() -> None:
         async with serving(settings):

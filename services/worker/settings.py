@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.runtime.config import normalize_base_url as config_base_url
+from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_float, env_int, env_str
 
 UPSTREAM_KINDS = ("openai", "vllm", "sglang")
@@ -77,8 +78,8 @@ class WorkerSettings:
     advertise: str = ""
     # Always ends in /v1.
     upstream_base_url: str = ""
-    # Never logged, never in repr.
-    upstream_api_key: str = field(default="", repr=False)
+    # Masked wherever it is held; revealed only in the upstream request header.
+    upstream_api_key: Secret = NO_SECRET
     # The environment variable the key came from: named in "check <VAR>" error messages.
     upstream_api_key_var: str = DEFAULT_KEY_VAR
     upstream_kind: str = "openai"
@@ -145,7 +146,7 @@ class WorkerSettings:
             worker_id=env_str(environ, "ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),
             advertise=env_str(environ, "ROLLGATE_WORKER_ADVERTISE", ""),
             upstream_base_url=normalize_base_url(raw_base),
-            upstream_api_key=key,
+            upstream_api_key=Secret(key),
             upstream_api_key_var=key_var,
             upstream_kind=kind,
             upstream_name=env_str(environ, "ROLLGATE_UPSTREAM_NAME", ""),

@@ -22,6 +22,7 @@ from services.runtime.errors import (
     UpstreamTimeout,
 )
 from services.runtime.logs import get_logger
+from services.runtime.secret import Secret
 from services.worker.turn import ClientAsk
 
 log = get_logger(__name__)
@@ -246,7 +247,7 @@ class UpstreamClient:
         self,
         *,
         base_url: str,
-        api_key: str,
+        api_key: Secret,
         key_var: str = "ROLLGATE_UPSTREAM_API_KEY",
         connect_timeout_s: float = 10.0,
     ) -> None:
@@ -260,7 +261,7 @@ class UpstreamClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> UpstreamClient:
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        headers = {"Authorization": f"Bearer {self._api_key.reveal()}"} if self._api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s),

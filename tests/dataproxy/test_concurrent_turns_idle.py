@@ -18,6 +18,7 @@ from services.dataproxy.sessions import ActiveEpisode, EpisodePolicy, SessionSto
 from services.dataproxy.turns import encode_turn
 from services.runtime.errors import Unavailable, from_rpc_error
 from services.runtime.keys import key_digest
+from services.runtime.secret import Secret
 from tests.dataproxy.test_control import running_proxy, until
 from tests.dataproxy.test_sessions import ADMIN_KEY, turn_record
 from tests.harness.inprocess import collect
@@ -36,7 +37,7 @@ def store(redis_client: aioredis.Redis, keys: RedisKeys) -> SessionStore:
         redis=redis_client,
         keys=keys,
         scripts=Scripts.load(),
-        admin_key=ADMIN_KEY,
+        admin_key=Secret(ADMIN_KEY),
         refresh_lock_s=30.0,
         policy=EpisodePolicy(capacity=CapacityPolicy(), session_idle_timeout_s=IDLE_S),
     )

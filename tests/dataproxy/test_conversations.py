@@ -20,6 +20,7 @@ from services.dataproxy.settings import DataProxySettings
 from services.runtime.errors import RollgateError, from_rpc_error
 from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest, key_id_of, new_session_key
+from services.runtime.secret import Secret
 
 ADMIN_KEY = "admin-test-key-0123456789"
 T = 10.0
@@ -46,7 +47,11 @@ class Proxy:
 @pytest.fixture
 async def proxy(redis_url: str, key_prefix: str) -> AsyncIterator[Proxy]:
     settings = DataProxySettings(
-        port=0, redis_url=redis_url, redis_prefix=key_prefix, admin_key=ADMIN_KEY, grace_s=1.0
+        port=0,
+        redis_url=redis_url,
+        redis_prefix=key_prefix,
+        admin_key=Secret(ADMIN_KEY),
+        grace_s=1.0,
     )
     async with contextlib.AsyncExitStack() as stack:
         server = await stack.enter_async_context(serving(settings))

@@ -28,6 +28,7 @@ from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import SessionStore
 from services.dataproxy.turns import encode_turn
 from services.runtime.keys import key_digest
+from services.runtime.secret import Secret
 
 ADMIN_KEY = "admin-exactly-once-0123456789"
 # Shorter than production's 5 s so a held reply times out quickly.
@@ -125,7 +126,11 @@ def client_via(url: str, *, retries: int) -> aioredis.Redis:
 
 def store_over(redis: aioredis.Redis, keys: RedisKeys) -> SessionStore:
     return SessionStore(
-        redis=redis, keys=keys, scripts=Scripts.load(), admin_key=ADMIN_KEY, refresh_lock_s=30.0
+        redis=redis,
+        keys=keys,
+        scripts=Scripts.load(),
+        admin_key=Secret(ADMIN_KEY),
+        refresh_lock_s=30.0,
     )
 
 

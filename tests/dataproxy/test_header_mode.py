@@ -18,6 +18,7 @@ from services.dataproxy.sessions import ActiveEpisode, EpisodePolicy, SessionSto
 from services.dataproxy.turns import encode_turn
 from services.runtime.errors import Conflict, InvalidRequest, TooManyRequests
 from services.runtime.keys import key_digest
+from services.runtime.secret import Secret
 from tests.dataproxy.test_sessions import ADMIN_KEY, stream_entries, turn_record
 
 
@@ -31,7 +32,7 @@ def make_store(redis: aioredis.Redis, keys: RedisKeys, **policy: Any) -> Session
         redis=redis,
         keys=keys,
         scripts=Scripts.load(),
-        admin_key=ADMIN_KEY,
+        admin_key=Secret(ADMIN_KEY),
         refresh_lock_s=30.0,
         policy=EpisodePolicy(**policy),
     )

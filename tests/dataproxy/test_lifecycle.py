@@ -18,6 +18,7 @@ from services.dataproxy.sessions import EpisodePolicy, SessionStore, StartedSess
 from services.dataproxy.turns import encode_turn
 from services.runtime.errors import Conflict, TooManyRequests, Unavailable
 from services.runtime.keys import key_digest, key_id_of
+from services.runtime.secret import Secret
 from tests.dataproxy.test_sessions import ADMIN_KEY, chat, decode, stream_entries, turn_record
 
 StoreFactory = Callable[..., SessionStore]
@@ -43,7 +44,7 @@ def make_store(redis_client: aioredis.Redis, keys: RedisKeys) -> StoreFactory:
             redis=redis_client,
             keys=keys,
             scripts=Scripts.load(),
-            admin_key=ADMIN_KEY,
+            admin_key=Secret(ADMIN_KEY),
             refresh_lock_s=refresh_lock_s or refresh_timeout_s + 10,
             policy=EpisodePolicy(
                 refresh_timeout_s=refresh_timeout_s,

@@ -13,6 +13,7 @@ from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import EpisodePolicy, SessionStore
 from services.runtime.keys import key_digest
+from services.runtime.secret import Secret
 from tests.dataproxy.test_sessions import ADMIN_KEY
 
 # Shorter than the turn's lease, as with a turn timeout above the idle timeout.
@@ -25,7 +26,7 @@ def make_store(redis_client: aioredis.Redis, keys: RedisKeys) -> SessionStore:
         redis=redis_client,
         keys=keys,
         scripts=Scripts.load(),
-        admin_key=ADMIN_KEY,
+        admin_key=Secret(ADMIN_KEY),
         refresh_lock_s=10.0,
         policy=EpisodePolicy(capacity=CapacityPolicy(), session_idle_timeout_s=IDLE_S),
     )

@@ -26,6 +26,7 @@ from services.runtime.errors import (
     Unavailable,
 )
 from services.runtime.keys import key_digest, key_id_of, looks_like_session_key
+from services.runtime.secret import Secret
 
 ADMIN_KEY = "admin-test-key-0123456789"
 
@@ -41,7 +42,7 @@ def store(redis_client: aioredis.Redis, keys: RedisKeys) -> SessionStore:
         redis=redis_client,
         keys=keys,
         scripts=Scripts.load(),
-        admin_key=ADMIN_KEY,
+        admin_key=Secret(ADMIN_KEY),
         refresh_lock_s=30.0,
     )
 

@@ -25,6 +25,7 @@ from services.dataproxy.trajectory import (
     build_trajectory,
     encode_trajectory,
 )
+from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
 
 ADMIN_KEY = "admin-" + "a" * 32
@@ -95,7 +96,9 @@ async def make_stack(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIter
         ) -> Stack:
             redis = redis or redis_client
             keys = RedisKeys(prefix=key_prefix)
-            settings = DataProxySettings(admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY)
+            settings = DataProxySettings(
+                admin_key=Secret(ADMIN_KEY), trainer_key=Secret(TRAINER_KEY)
+            )
             servicer = TrainerServicer(
                 redis=redis, keys=keys, settings=settings, reclaim_idle_s=reclaim_idle_s
             )

@@ -22,6 +22,7 @@ from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
 from services.dataproxy.trajectory import CODEC, EpisodeInfo, build_trajectory, encode_trajectory
+from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ async def trainer(redis_client: aioredis.Redis, key_prefix: str) -> AsyncIterato
     servicer = TrainerServicer(
         redis=redis_client,
         keys=keys,
-        settings=DataProxySettings(admin_key=ADMIN_KEY),
+        settings=DataProxySettings(admin_key=Secret(ADMIN_KEY)),
         reclaim_idle_s=RECLAIM_IDLE_S,
     )
     async with serving_trainer(servicer) as address:

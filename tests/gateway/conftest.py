@@ -12,6 +12,7 @@ import pytest
 from services.gateway.app import GatewayServer
 from services.gateway.settings import GatewaySettings
 from services.runtime.keys import new_session_key
+from services.runtime.secret import Secret
 
 ADMIN_KEY = "rg-admin-test-key-0123456789"
 
@@ -40,7 +41,7 @@ def gateway_settings(
 ) -> GatewaySettings:
     """Test settings: port 0, short readiness deadline, small body limit."""
     return GatewaySettings(
-        admin_key=ADMIN_KEY,
+        admin_key=Secret(ADMIN_KEY),
         port=0,
         router_addr=router_addr,
         dataproxy_addr=dataproxy_addr,

@@ -16,6 +16,7 @@ from services.gateway.auth import (
     classify,
     read_key,
 )
+from services.runtime.secret import Secret
 from tests.gateway.conftest import ADMIN_KEY, Gateway
 
 SESSION_ROUTES = ("/v1/chat/completions", "/chat/completions", "/rl/set_reward", "/rl/end_session")
@@ -40,10 +41,10 @@ def test_read_key_is_none_without_a_bearer_token() -> None:
 
 
 def test_classify_tells_admin_session_and_other_keys_apart(session_key: str) -> None:
-    assert classify(ADMIN_KEY, ADMIN_KEY) is KeyKind.ADMIN
-    assert classify(session_key, ADMIN_KEY) is KeyKind.SESSION
-    assert classify("sk-sess-tooshort", ADMIN_KEY) is KeyKind.OTHER
-    assert classify(UPSTREAM_KEY, ADMIN_KEY) is KeyKind.OTHER
+    assert classify(ADMIN_KEY, Secret(ADMIN_KEY)) is KeyKind.ADMIN
+    assert classify(session_key, Secret(ADMIN_KEY)) is KeyKind.SESSION
+    assert classify("sk-sess-tooshort", Secret(ADMIN_KEY)) is KeyKind.OTHER
+    assert classify(UPSTREAM_KEY, Secret(ADMIN_KEY)) is KeyKind.OTHER
 
 
 async def _post(gateway: Gateway, path: str, headers: dict[str, str]) -> tuple[int, str, Any]:

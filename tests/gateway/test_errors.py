@@ -11,6 +11,7 @@ from services.gateway.chat import parse_chat_body
 from services.gateway.http_errors import error_response, method_not_allowed_message
 from services.gateway.session_api import parse_set_reward, parse_start_session
 from services.runtime.errors import InvalidRequest, TooManyRequests, Unavailable
+from services.runtime.secret import Secret
 from tests.gateway.conftest import ADMIN_KEY, Gateway
 
 
@@ -159,8 +160,8 @@ async def test_start_session_with_a_bad_body_is_400(
 
 
 def test_parse_start_session_accepts_an_empty_body_and_null_api_key() -> None:
-    assert parse_start_session(b"", ADMIN_KEY).api_key == ""
-    call = parse_start_session(b'{"task_id": "t1", "api_key": null}', ADMIN_KEY)
+    assert parse_start_session(b"", Secret(ADMIN_KEY)).api_key == ""
+    call = parse_start_session(b'{"task_id": "t1", "api_key": null}', Secret(ADMIN_KEY))
     assert (call.task_id, call.api_key) == ("t1", "")
 
 

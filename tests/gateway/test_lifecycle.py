@@ -20,6 +20,7 @@ from services.dataproxy.redis_keys import RedisKeys
 from services.gateway.session_api import parse_start_session
 from services.runtime.errors import InvalidRequest
 from services.runtime.keys import key_digest
+from services.runtime.secret import Secret
 from tests.gateway.conftest import ADMIN_KEY
 from tests.harness.inprocess import Upstream, running_full_chain
 
@@ -182,8 +183,8 @@ async def test_late_reward_after_end_session_publishes_the_held_episode(
 )
 def test_invalid_group_sizes_are_400(body: bytes) -> None:
     with pytest.raises(InvalidRequest):
-        parse_start_session(body, ADMIN_KEY)
+        parse_start_session(body, Secret(ADMIN_KEY))
 
 
 def test_group_size_one_is_a_plain_start() -> None:
-    assert parse_start_session(b'{"group_size": 1}', ADMIN_KEY).group_size == 1
+    assert parse_start_session(b'{"group_size": 1}', Secret(ADMIN_KEY)).group_size == 1

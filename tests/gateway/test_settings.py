@@ -24,7 +24,7 @@ def test_settings_read_the_documented_variables() -> None:
         host="0.0.0.0",
         port=0,
     )
-    assert (settings.admin_key, settings.host, settings.port) == ("adm", "0.0.0.0", 0)
+    assert (settings.admin_key.reveal(), settings.host, settings.port) == ("adm", "0.0.0.0", 0)
     assert (settings.router_addr, settings.dataproxy_addr) == ("r:1", "d:2")
     assert (settings.max_body_bytes, settings.request_timeout_s) == (1000, 7.5)
 

@@ -32,6 +32,7 @@ from services.router.settings import RouterSettings
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.keys import key_id_of
+from services.runtime.secret import Secret
 from services.worker.__main__ import serving as worker_serving
 from services.worker.settings import WorkerSettings
 from services.worker.upstream import RequestPolicy
@@ -57,7 +58,7 @@ def dataproxy_settings(redis_url: str, key_prefix: str, **overrides: Any) -> Dat
         "port": 0,
         "redis_url": redis_url,
         "redis_prefix": key_prefix,
-        "admin_key": ADMIN_KEY,
+        "admin_key": Secret(ADMIN_KEY),
         "turn_timeout_s": 30.0,
         "grace_s": 2.0,
     }
@@ -213,7 +214,7 @@ async def running_full_chain(
                     port=0,
                     redis_url=redis_url,
                     redis_prefix=key_prefix,
-                    admin_key=admin_key,
+                    admin_key=Secret(admin_key),
                     grace_s=1.0,
                     **dataproxy,
                 )

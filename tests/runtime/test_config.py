@@ -55,7 +55,8 @@ def test_the_worker_gets_its_upstream_and_never_the_key_value() -> None:
     assert env["ROLLGATE_UPSTREAM_API_KEY_VAR"] == "TAOTOKEN_API_KEY"
     assert "sk-tao-secret" not in env.values()
     settings = WorkerSettings.from_env({**env, **ENV})
-    assert settings.upstream_api_key == "sk-tao-secret"
+    assert settings.upstream_api_key.reveal() == "sk-tao-secret"
+    assert "sk-tao-secret" not in repr(settings)
     assert settings.upstream_api_key_var == "TAOTOKEN_API_KEY"
     assert (settings.default_max_tokens, settings.default_temperature) == (256, 0.8)
     assert settings.n_samples == 4

@@ -12,6 +12,7 @@ from protos import worker_pb2_grpc
 from rollgate.mock_llm import MockLLM
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.runtime.secret import Secret
 from services.worker.adapters import adapter_for
 from services.worker.servicer import WorkerServicer
 from services.worker.tokenizer import LocalTokenizer
@@ -43,7 +44,9 @@ async def running_worker(
     sglang_path: str = "chat",
 ) -> AsyncIterator[WorkerUnderTest]:
     """A Worker servicer on a real gRPC server (port 0) calling `base_url`."""
-    async with UpstreamClient(base_url=base_url, api_key=api_key, key_var=key_var) as upstream:
+    async with UpstreamClient(
+        base_url=base_url, api_key=Secret(api_key), key_var=key_var
+    ) as upstream:
         adapter = adapter_for(kind, sglang_path=sglang_path, tokenizer=tokenizer)
         runner = TurnRunner(upstream=upstream, adapter=adapter, policy=policy, tokenizer=tokenizer)
         server = GrpcServer(
