@@ -14,7 +14,11 @@ from pathlib import Path
 from types import FrameType
 
 from rollgate.stack import Stack, StackConfig, StackError, generate_admin_key
+from rollgate.supervisor import GaveUp
 from services.runtime.config import ConfigError, RollgateConfig, load_config
+
+# How often `up` looks for crashed services.
+SUPERVISE_INTERVAL_S = 0.25
 
 _USAGE = """rollgate <command> [options]
 
@@ -171,14 +175,17 @@ def up_main(argv: Sequence[str]) -> int:
         return 130
     try:
         _print_banner(stack, admin_key, generated=not args.admin_key)
+        supervisor = stack.supervisor(say=lambda text: print(text, flush=True))
         while True:
-            dead = stack.dead_services()
-            if dead:
-                name = dead[0]
-                tail = stack.services[name].log_tail()
-                print(f"rollgate: {name} exited; stopping.\n{tail}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            supervisor.check()
+            time.sleep(SUPERVISE_INTERVAL_S)
+    except GaveUp as err:
+        print(
+            f"rollgate: the end of {err.name}'s log:\n{err.log_tail}\nrollgate: stopping.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except KeyboardInterrupt:
         print("\nrollgate: stopping …", flush=True)
         return 0

@@ -62,32 +62,51 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, *, timeout_s: float = 10.0) -> RedisServer:
-        """Starts the server and waits until it answers PING."""
+        """Starts the server on a free port and waits until it answers PING."""
         if self.data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="rollgate-redis-")
             self.data_dir = self._tmp.name
         last_error = ""
         for _ in range(5):
             self.port = free_port()
-            cmd = [
-                self.binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--dir", self.data_dir,
-                "--save", "",
-                "--appendonly", "yes" if self.appendonly else "no",
-                "--appendfsync", "everysec",
-                "--daemonize", "no",
-                "--logfile", os.path.join(self.data_dir, "redis.log"),
-            ]  # fmt: skip
-            self.process = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-            )
-            if self._wait_ready(timeout_s):
+            if self._spawn(timeout_s):
                 return self
-            last_error = self._log_tail()
+            last_error = self.log_tail()
             self.stop()
         raise RuntimeError(f"redis-server did not start: {last_error}")
+
+    def restart(self, *, timeout_s: float = 10.0) -> None:
+        """Starts the server again after a crash: the same port (clients keep their URL) and
+        the same data directory (the AOF brings the data back)."""
+        self.stop()
+        if not self._spawn(timeout_s):
+            tail = self.log_tail()
+            self.stop()
+            raise RuntimeError(f"redis-server did not restart on port {self.port}: {tail}")
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code of a server that stopped (negative: the signal); None while it runs."""
+        return None if self.process is None else self.process.poll()
+
+    def _spawn(self, timeout_s: float) -> bool:
+        """Runs redis-server on `self.port`; True once it answers PING."""
+        assert self.data_dir is not None
+        cmd = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", self.data_dir,
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--daemonize", "no",
+            "--logfile", os.path.join(self.data_dir, "redis.log"),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        return self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -104,7 +123,8 @@ class RedisServer:
             time.sleep(0.05)
         return False
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
+        """The end of redis.log."""
         assert self.data_dir is not None
         log = Path(self.data_dir) / "redis.log"
         return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"

@@ -16,11 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollgate.redis_server import RedisServer, free_port
+from rollgate.supervisor import RestartPolicy, Supervised, Supervisor
 from services.runtime.config import SERVICES, RollgateConfig, settings_env, worker_env
 
 GRPC_SERVICES = {
@@ -93,6 +95,15 @@ class ServiceProcess:
         """True while the process runs."""
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The last run's exit code (negative: killed by that signal); None while it runs."""
+        return None if self.process is None else self.process.poll()
+
+    def healthy(self) -> bool:
+        """One health check: gRPC health SERVING, the gateway's /ready, the mock's /v1/models."""
+        return _healthy(self)
+
     def signal(self, sig: signal.Signals) -> None:
         """Sends `sig` if the process runs."""
         if self.alive:
@@ -114,6 +125,38 @@ class ServiceProcess:
             return self.log_path.read_text(errors="replace")[-limit:]
         except OSError:
             return "(no log)"
+
+
+@dataclass(slots=True)
+class EmbeddedRedis:
+    """The stack's own redis-server as the supervisor sees it: restarted on its port and
+    data directory, so every service's URL stays valid and the AOF brings the data back."""
+
+    server: RedisServer
+    name: str = "redis"
+
+    @property
+    def alive(self) -> bool:
+        """True while redis-server runs."""
+        return self.server.exit_code is None and self.server.process is not None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code of the server that stopped."""
+        return self.server.exit_code
+
+    def start(self) -> None:
+        """Restarts redis-server; a failure shows as another exit."""
+        with contextlib.suppress(RuntimeError):
+            self.server.restart()
+
+    def healthy(self) -> bool:
+        """Answers PING (restart waits for that already)."""
+        return self.alive
+
+    def log_tail(self) -> str:
+        """The end of redis.log."""
+        return self.server.log_tail()
 
 
 class Stack:
@@ -217,8 +260,10 @@ class Stack:
         )
 
     def start(self) -> Stack:
-        """Starts every process in dependency order and waits until each is healthy."""
+        """Starts every process in dependency order and waits until each is healthy; writes
+        stack.json only then (a stale one from an earlier run is removed first)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._state_file.unlink(missing_ok=True)
         try:
             self._start()
         except BaseException:
@@ -311,7 +356,13 @@ class Stack:
             time.sleep(0.05)
         raise StackError(f"{name} was not healthy in time:\n{service.log_tail()}")
 
+    @property
+    def _state_file(self) -> Path:
+        return self.state_dir / "stack.json"
+
     def _write_state_file(self) -> None:
+        """Written after every gateway's /ready answered 200, atomically (rename): a reader
+        never sees a half-written file, nor this run's file before the stack is ready."""
         state = {
             "gateway_url": self.gateway_url,
             "redis_url": self.redis_url,
@@ -319,8 +370,20 @@ class Stack:
             "trainer_address": self.trainer_address,
             "pid": os.getpid(),
         }
+        partial = self._state_file.with_suffix(".json.tmp")
         with contextlib.suppress(OSError):
-            (self.state_dir / "stack.json").write_text(json.dumps(state, indent=2))
+            partial.write_text(json.dumps(state, indent=2))
+            partial.replace(self._state_file)
+
+    def supervisor(self, policy: RestartPolicy | None = None, **options: Any) -> Supervisor:
+        """A supervisor over every process of the running stack (the embedded Redis too);
+        it logs to `logs/rollgate-up.log`."""
+        processes: list[Supervised] = list(self.services.values())
+        if self.redis is not None:
+            processes.insert(0, EmbeddedRedis(self.redis))
+        return Supervisor(
+            processes, policy=policy, log_path=self.log_dir / "rollgate-up.log", **options
+        )
 
     def dead_services(self) -> list[str]:
         """Names of services that have exited."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -122,3 +124,151 @@ def _processes_with_env(name: str, value: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def _post(url: str, key: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def _chat_until_ok(gateway: str, key: str, timeout_s: float = 60.0) -> dict[str, object]:
+    """A chat turn, retried while the stack recovers (503s), until it answers 200."""
+    body = {"model": "rollgate-mock", "messages": [{"role": "user", "content": "hi"}]}
+    deadline = time.monotonic() + timeout_s
+    status, answer = 0, {}
+    while time.monotonic() < deadline:
+        status, answer = _post(f"{gateway}/v1/chat/completions", key, body)
+        if status == 200:
+            return answer
+        assert status in (502, 503), answer
+        time.sleep(0.2)
+    raise AssertionError(f"no chat answered in {timeout_s}s: {status} {answer}")
+
+
+def _pid_of(predicate: object, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc_dir in Path("/proc").iterdir():
+            if not proc_dir.name.isdigit():
+                continue
+            try:
+                cmdline = (proc_dir / "cmdline").read_bytes().split(b"\0")
+                environ = (proc_dir / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if callable(predicate) and predicate(cmdline, environ):
+                return int(proc_dir.name)
+        time.sleep(0.05)
+    raise AssertionError("process not found")
+
+
+def _files_contain(directory: Path, needle: bytes, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in directory.rglob("*"):
+            if path.is_file() and needle in path.read_bytes():
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} never reached the files under {directory}")
+
+
+def test_rollgate_up_restarts_a_killed_worker_and_a_killed_embedded_redis(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    prefix = f"rgsup:{port}:"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"ROLLGATE_ADMIN_KEY", "REDIS_URL", "ROLLGATE_REDIS_URL"}
+    }
+    env["ROLLGATE_REDIS_PREFIX"] = prefix
+    admin_key = "rg-admin-supervised-" + os.urandom(8).hex()
+    stale = {"gateway_url": "http://stale.invalid", "pid": 1}
+    (tmp_path / "stack.json").write_text(json.dumps(stale))
+    proc = subprocess.Popen(
+        [ROLLGATE, "up", "--port", str(port), "--state-dir", str(tmp_path),
+         "--admin-key", admin_key, "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    lines = _lines(proc)
+    try:
+        # stack.json: never this run's before /ready answers 200, never the stale one after.
+        deadline = time.monotonic() + 90
+        seen_ours = False
+        while time.monotonic() < deadline and not seen_ours:
+            try:
+                state = json.loads((tmp_path / "stack.json").read_text())
+            except (OSError, ValueError):
+                state = {}
+            if state.get("pid") == proc.pid:
+                with urllib.request.urlopen(f"{state['gateway_url']}/ready", timeout=5) as resp:
+                    assert resp.status == 200, "stack.json was written before /ready answered"
+                seen_ours = True
+            assert proc.poll() is None, "rollgate up exited during start-up"
+            time.sleep(0.02)
+        assert seen_ours
+        _read_until(lines, "Ctrl-C stops everything", 30)
+        gateway = f"http://127.0.0.1:{port}"
+        status, started = _post(f"{gateway}/rl/start_session", admin_key, {})
+        assert status == 200, started
+        key = str(started["api_key"])
+        _chat_until_ok(gateway, key)
+
+        worker = _pid_of(lambda cmd, environ: b"ROLLGATE_WORKER_ID=worker-1" in environ
+                         and f"ROLLGATE_REDIS_PREFIX={prefix}".encode() in environ)  # fmt: skip
+        os.kill(worker, signal.SIGKILL)
+        _read_until(lines, "rollgate: worker-1 was killed by SIGKILL", 30)
+        _read_until(lines, "rollgate: worker-1 restarted (restart 1)", 30)
+        _read_until(lines, "rollgate: worker-1 is healthy again", 60)
+        _chat_until_ok(gateway, key)
+
+        redis_dir = tmp_path / "redis"
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        # The session is on disk (the AOF) before Redis dies: what a restart must bring back.
+        _files_contain(redis_dir, digest.encode())
+        # redis-server rewrites its command line (and environment) to `redis-server HOST:PORT`.
+        redis_port = state["redis_url"].rsplit(":", 1)[1].split("/")[0]
+        redis_pid = _pid_of(lambda cmd, environ: b"redis-server" in cmd[0]
+                            and cmd[0].split()[1:2] == [f"127.0.0.1:{redis_port}".encode()])  # fmt: skip
+        os.kill(redis_pid, signal.SIGKILL)
+        _read_until(lines, "rollgate: redis was killed by SIGKILL", 30)
+        _read_until(lines, "rollgate: redis restarted (restart 1)", 30)
+        answer = _chat_until_ok(gateway, key)
+        status, rewarded = _post(f"{gateway}/rl/set_reward", key, {"reward": 1.0})
+        assert status == 200, rewarded
+        assert rewarded["interaction_id"] == answer["id"], "the session survived the restart"
+        events = [
+            json.loads(line)
+            for line in (tmp_path / "logs" / "rollgate-up.log").read_text().splitlines()
+        ]
+        happened = {(e["event"], e["service"]) for e in events}
+        assert {
+            ("service_exited", "worker-1"),
+            ("service_restarted", "worker-1"),
+            ("service_recovered", "worker-1"),
+            ("service_exited", "redis"),
+            ("service_restarted", "redis"),
+        } <= happened
+        assert proc.poll() is None, "rollgate up kept running through both crashes"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(timeout=60)
+    assert code == 0
+    assert not _processes_with_env("ROLLGATE_REDIS_PREFIX", prefix)
