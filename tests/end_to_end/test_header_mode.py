@@ -4,6 +4,7 @@ by body session_done, or by the idle reaper)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import time
@@ -17,6 +18,8 @@ import pytest
 from rollgate.stack import Stack
 from tests.end_to_end.test_lifecycle import _stack, published
 from tests.end_to_end.test_walkthrough import chat_body
+from tests.examples import zeroclaw_facts as zeroclaw
+from tests.examples.conftest import EXAMPLES_DIR
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +81,56 @@ def test_several_header_mode_episodes_are_published_exactly_once_each(claw_stack
     assert by_session["body-0"]["end_reason"] == "session_done"
     assert by_session["idle-0"]["end_reason"] == "idle"
     assert {t["task_id"] for t in trajectories} == {"claw"}
+
+
+def _zeroclaw_call(stack: Stack, provider: zeroclaw.Provider, text: str, **headers: str) -> bytes:
+    url, all_headers, body = zeroclaw.chat_request(provider, text)
+    # The files point at the default gateway address; this stack listens elsewhere.
+    path = urllib.parse.urlsplit(url).path
+    assert url == "http://127.0.0.1:8080" + path and path == "/v1/chat/completions"
+    target = urllib.parse.urlsplit(stack.gateway_url)
+    conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
+    conn.request("POST", path, body=json.dumps(body), headers={**all_headers, **headers})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    assert resp.status == 200, data
+    assert data.rstrip().endswith(b"data: [DONE]")
+    return data
+
+
+def test_zeroclaw_requests_built_from_both_example_files_are_recorded(claw_stack: Stack) -> None:
+    admin = claw_stack.config.admin_key
+    status, raw = post(claw_stack, "/rl/start_session", {"task_id": "zc"}, admin, {})
+    assert status == 200, raw
+    episode_key = json.loads(raw)["api_key"]
+    status, raw = post(claw_stack, "/rl/keys", {"task_id": "zc-header"}, admin, {})
+    assert status == 200, raw
+    header_key = json.loads(raw)["api_key"]
+
+    v3 = zeroclaw.load(EXAMPLES_DIR / "zeroclaw.config.toml")
+    legacy = zeroclaw.migrate_legacy(zeroclaw.load(EXAMPLES_DIR / "zeroclaw.legacy.config.toml"))
+    main, from_legacy = zeroclaw.agent_provider(v3), zeroclaw.agent_provider(legacy)
+    assert main is not None and from_legacy is not None
+    header = zeroclaw.providers(v3)["custom.rollgate-header"]
+    _zeroclaw_call(claw_stack, dataclasses.replace(main, api_key=episode_key), "v3 file")
+    _zeroclaw_call(claw_stack, dataclasses.replace(from_legacy, api_key=episode_key), "legacy")
+    with_key = dataclasses.replace(header, api_key=header_key)
+    _zeroclaw_call(claw_stack, with_key, "header one")
+    _zeroclaw_call(claw_stack, with_key, "header two", **{"X-Session-Done": "true"})
+    status, raw = post(claw_stack, "/rl/end_session", {}, episode_key, {})
+    assert status == 200, raw
+    trajectory_id = json.loads(raw)["trajectory_id"]
+
+    session = header.extra_headers["X-Session-Id"]
+    deadline = time.monotonic() + 20
+    while True:
+        found = {t["trajectory_id"]: t for t in published(claw_stack)}
+        by_session = {t["session_id"]: t for t in found.values() if t["task_id"] == "zc-header"}
+        if trajectory_id in found and session in by_session:
+            break
+        assert time.monotonic() < deadline, "the ZeroClaw episodes were not published"
+        time.sleep(0.1)
+    assert len(found[trajectory_id]["interactions"]) == 2
+    assert by_session[session]["end_reason"] == "session_done"
+    assert len(by_session[session]["interactions"]) == 2

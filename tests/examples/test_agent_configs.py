@@ -5,41 +5,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import tomllib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
 
 import pytest
 
 from tests.examples.conftest import EXAMPLES_DIR
 
 GATEWAY_V1 = "http://127.0.0.1:8080/v1"
-
-
-def _toml(name: str) -> dict[str, Any]:
-    with (EXAMPLES_DIR / name).open("rb") as f:
-        return tomllib.load(f)
-
-
-def test_zeroclaw_config_points_a_custom_provider_at_the_gateway() -> None:
-    config = _toml("zeroclaw.config.toml")
-    assert config["schema_version"] == 3
-    provider = config["providers"]["models"]["custom"]["rollgate"]
-    assert provider["uri"] == GATEWAY_V1
-    assert provider["wire_api"] == "chat_completions"
-    assert provider["api_key"].startswith("sk-sess-")
-    kind, alias = config["agents"]["main"]["model_provider"].split(".")
-    assert config["providers"]["models"][kind][alias] is provider
-    assert config["agents"]["main"]["risk_profile"] in config["risk_profiles"]
-
-
-def test_legacy_zeroclaw_config_has_areals_readme_shape() -> None:
-    config = _toml("zeroclaw.legacy.config.toml")
-    assert config["default_provider"] == "localhost"
-    assert config["api_key"].startswith("sk-sess-")
-    provider = config["model_providers"][config["default_provider"]]
-    assert provider == {"base_url": GATEWAY_V1, "wire_api": "chat_completions"}
 
 
 def test_openclaw_settings_define_an_openai_compatible_provider_for_the_gateway() -> None:
