@@ -11,7 +11,6 @@ import grpc
 from protos import dataproxy_pb2, dataproxy_pb2_grpc
 from services.dataproxy.chat import RecordedTurn, TurnRequest, TurnRunner
 from services.dataproxy.sessions import SessionStore
-from services.runtime.errors import RollgateError, abort_with
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -39,12 +38,9 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def StartSession(
         self, request: dataproxy_pb2.StartSessionRequest, context: Context
     ) -> dataproxy_pb2.StartSessionResponse:
-        try:
-            started = await self._store.start(
-                task_id=request.task_id, api_key=request.api_key, group_size=request.group_size
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        started = await self._store.start(
+            task_id=request.task_id, api_key=request.api_key, group_size=request.group_size
+        )
         return dataproxy_pb2.StartSessionResponse(
             session_id=started.session_id,
             api_key=started.api_key,
@@ -60,24 +56,18 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def SetReward(
         self, request: dataproxy_pb2.SetRewardRequest, context: Context
     ) -> dataproxy_pb2.SetRewardResponse:
-        try:
-            interaction_id = await self._store.set_reward(
-                request.key_digest,
-                reward=request.reward,
-                interaction_id=request.interaction_id,
-                session_id=request.session_id,
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        interaction_id = await self._store.set_reward(
+            request.key_digest,
+            reward=request.reward,
+            interaction_id=request.interaction_id,
+            session_id=request.session_id,
+        )
         return dataproxy_pb2.SetRewardResponse(interaction_id=interaction_id)
 
     async def EndSession(
         self, request: dataproxy_pb2.EndSessionRequest, context: Context
     ) -> dataproxy_pb2.EndSessionResponse:
-        try:
-            ended = await self._store.end(request.key_digest, session_id=request.session_id)
-        except RollgateError as err:
-            await abort_with(context, err)
+        ended = await self._store.end(request.key_digest, session_id=request.session_id)
         return dataproxy_pb2.EndSessionResponse(
             session_id=ended.session_id,
             trajectory_id=ended.trajectory_id,
@@ -87,20 +77,14 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def Chat(
         self, request: dataproxy_pb2.ChatRequest, context: Context
     ) -> AsyncIterator[dataproxy_pb2.ChatResponse]:
-        try:
-            async with contextlib.aclosing(self._turns.stream(_turn_request(request))) as items:
-                async for item in items:
-                    yield _chat_response(item)
-        except RollgateError as err:
-            await abort_with(context, err)
+        async with contextlib.aclosing(self._turns.stream(_turn_request(request))) as items:
+            async for item in items:
+                yield _chat_response(item)
 
     async def Complete(
         self, request: dataproxy_pb2.ChatRequest, context: Context
     ) -> dataproxy_pb2.CompleteChatResponse:
-        try:
-            done = await self._turns.complete(_turn_request(request))
-        except RollgateError as err:
-            await abort_with(context, err)
+        done = await self._turns.complete(_turn_request(request))
         return dataproxy_pb2.CompleteChatResponse(
             body_json=done.body_json,
             interaction_id=done.turn.interaction_id,
@@ -110,10 +94,7 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def IssueKey(
         self, request: dataproxy_pb2.IssueKeyRequest, context: Context
     ) -> dataproxy_pb2.IssueKeyResponse:
-        try:
-            issued = await self._store.issue_key(task_id=request.task_id, mode=request.mode)
-        except RollgateError as err:
-            await abort_with(context, err)
+        issued = await self._store.issue_key(task_id=request.task_id, mode=request.mode)
         return dataproxy_pb2.IssueKeyResponse(
             api_key=issued.api_key, key_id=issued.key_id, mode=issued.mode
         )
@@ -121,10 +102,7 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def ResolveKey(
         self, request: dataproxy_pb2.ResolveKeyRequest, context: Context
     ) -> dataproxy_pb2.ResolveKeyResponse:
-        try:
-            key = await self._store.resolve(request.key_digest)
-        except RollgateError as err:
-            await abort_with(context, err)
+        key = await self._store.resolve(request.key_digest)
         return dataproxy_pb2.ResolveKeyResponse(
             key_id=key.key_id, session_id=key.episode if key.active else ""
         )
@@ -132,10 +110,7 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def GetHistory(
         self, request: dataproxy_pb2.GetHistoryRequest, context: Context
     ) -> dataproxy_pb2.GetHistoryResponse:
-        try:
-            history = await self._store.history(request.key_digest)
-        except RollgateError as err:
-            await abort_with(context, err)
+        history = await self._store.history(request.key_digest)
         return dataproxy_pb2.GetHistoryResponse(
             session_id=history.session_id,
             entries=[
@@ -147,14 +122,11 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     async def AbortTurn(
         self, request: dataproxy_pb2.AbortTurnRequest, context: Context
     ) -> dataproxy_pb2.AbortTurnResponse:
-        try:
-            found = await self._turns.abort(
-                key_digest=request.key_digest,
-                worker_address=request.worker_address,
-                request_id=request.request_id,
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        found = await self._turns.abort(
+            key_digest=request.key_digest,
+            worker_address=request.worker_address,
+            request_id=request.request_id,
+        )
         return dataproxy_pb2.AbortTurnResponse(found=found)
 
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from protos import trainer_pb2, trainer_pb2_grpc
 from services.dataproxy.control import CapacityPolicy, Control, ControlSnapshot
@@ -19,7 +17,7 @@ from services.dataproxy.scripts import Scripts
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_auth import TrainerAuth
 from services.dataproxy.trajectory import StreamEntry, TrainerStats, TrajectoryStream
-from services.runtime.errors import InvalidRequest, RollgateError, Unavailable, abort_with
+from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -57,11 +55,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """Streams trajectories to one consumer of a group until a limit or cancellation."""
         await self._authorize(context)
         await self._check_pull(request, context)
-        async with _redis_errors(context):
-            async for entry, tag in self._pull(request):
-                yield _message(entry, tag)
+        async for entry, tag in self._pull(request):
+            yield _message(entry, tag)
         if self._stopping.is_set():
-            await abort_with(context, Unavailable(_SHUTTING_DOWN, retry_after_s=1.0))
+            raise Unavailable(_SHUTTING_DOWN, retry_after_s=1.0)
 
     def _pull(
         self, request: trainer_pb2.PullTrajectoriesRequest
@@ -85,9 +82,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """Acknowledges trained-on entries; they count as consumed."""
         await self._authorize(context)
         if not request.group:
-            await abort_with(context, InvalidRequest("group is required"))
-        async with _redis_errors(context):
-            acked = await self._stream.ack(request.group, list(request.stream_ids))
+            raise InvalidRequest("group is required")
+        acked = await self._stream.ack(request.group, list(request.stream_ids))
         return trainer_pb2.AckResponse(acked=acked)
 
     async def SetWeightVersion(
@@ -95,8 +91,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.SetWeightVersionResponse:
         """Stamps later tokens with this weight version (never lower than the current one)."""
         await self._authorize(context)
-        async with _redis_errors(context):
-            version = await self._stream.set_weight_version(request.version)
+        version = await self._stream.set_weight_version(request.version)
         return trainer_pb2.SetWeightVersionResponse(version=version)
 
     async def GetStats(
@@ -104,9 +99,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.GetStatsResponse:
         """Counters, capacity left, paused, turns in flight and the join rate."""
         await self._authorize(context)
-        async with _redis_errors(context):
-            stats = await self._stream.stats()
-            control = await self._control.snapshot()
+        stats = await self._stream.stats()
+        control = await self._control.snapshot()
         return _stats(stats, control)
 
     async def PauseSubmission(
@@ -114,8 +108,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.PauseSubmissionResponse:
         """New turns wait (then 503); returns once running turns finished or the timeout."""
         await self._authorize(context)
-        async with _redis_errors(context):
-            result = await self._control.pause(request.timeout_s)
+        result = await self._control.pause(request.timeout_s)
         return trainer_pb2.PauseSubmissionResponse(
             drained=result.drained, in_flight=result.in_flight
         )
@@ -125,8 +118,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.ResumeSubmissionResponse:
         """Releases the turns waiting for a resume."""
         await self._authorize(context)
-        async with _redis_errors(context):
-            await self._control.resume()
+        await self._control.resume()
         return trainer_pb2.ResumeSubmissionResponse()
 
     async def GrantCapacity(
@@ -134,23 +126,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     ) -> trainer_pb2.GrantCapacityResponse:
         """Adds capacity for `episodes` more episodes (capacity is finite from then on)."""
         await self._authorize(context)
-        async with _redis_errors(context):
-            capacity = await self._control.grant(request.episodes)
+        capacity = await self._control.grant(request.episodes)
         return trainer_pb2.GrantCapacityResponse(capacity=capacity)
 
     async def _check_pull(
         self, request: trainer_pb2.PullTrajectoriesRequest, context: Context
     ) -> None:
         if self._stopping.is_set():
-            await abort_with(context, Unavailable(_SHUTTING_DOWN, retry_after_s=1.0))
+            raise Unavailable(_SHUTTING_DOWN, retry_after_s=1.0)
         if not request.group or not request.consumer:
-            await abort_with(context, InvalidRequest("group and consumer are required"))
+            raise InvalidRequest("group and consumer are required")
 
     async def _authorize(self, context: Context) -> None:
-        try:
-            self._auth.check(context.invocation_metadata())
-        except RollgateError as err:
-            await abort_with(context, err)
+        self._auth.check(context.invocation_metadata())
 
 
 def build_control(*, redis: Redis, keys: RedisKeys, settings: DataProxySettings) -> Control:
@@ -193,22 +181,3 @@ def _message(entry: StreamEntry, tag: GroupTag | None) -> trainer_pb2.Trajectory
         group_id=tag.group_id if tag else "",
         group_size=tag.group_size if tag else 0,
     )
-
-
-@contextlib.asynccontextmanager
-async def _redis_errors(context: Context) -> AsyncIterator[None]:
-    """Rollgate errors go out as they are; Redis failures as UNAVAILABLE with a retry hint."""
-    try:
-        yield
-    except RollgateError as err:
-        await abort_with(context, err)
-    except (RedisError, TimeoutError) as err:
-        log.warning("trainer_redis_error", error=type(err).__name__, detail=str(err))
-        await abort_with(
-            context,
-            Unavailable(
-                f"the dataproxy cannot reach Redis ({type(err).__name__}); retry shortly",
-                code="redis_unavailable",
-                retry_after_s=1.0,
-            ),
-        )

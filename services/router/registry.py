@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.router.placement import WorkerState, choose, is_live, keeps_affinity
-from services.runtime.errors import InvalidRequest, Unavailable
+from services.runtime.errors import InvalidRequest, Unavailable, state_store_unavailable
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -291,8 +291,4 @@ async def _redis_deadline(timeout_s: float, op: str) -> AsyncIterator[None]:
             yield
     except (TimeoutError, RedisError) as err:
         log.warning("redis_failed", op=op, timeout_s=timeout_s, error=repr(err))
-        raise Unavailable(
-            "the router cannot reach Redis; retry shortly",
-            code="redis_unavailable",
-            retry_after_s=1.0,
-        ) from err
+        raise state_store_unavailable() from err

@@ -10,7 +10,6 @@ from protos import router_pb2, router_pb2_grpc
 from services.router.placement import WorkerState
 from services.router.registry import Registry
 from services.router.settings import RouterSettings
-from services.runtime.errors import RollgateError, abort_with
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -30,29 +29,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Route(
         self, request: router_pb2.RouteRequest, context: Context
     ) -> router_pb2.RouteResponse:
-        try:
-            worker = await self._registry.route(
-                session=request.session,
-                model=request.model,
-                avoid_worker_id=request.avoid_worker_id,
-                timeout_s=self._budget_s(context),
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        worker = await self._registry.route(
+            session=request.session,
+            model=request.model,
+            avoid_worker_id=request.avoid_worker_id,
+            timeout_s=self._budget_s(context),
+        )
         return router_pb2.RouteResponse(worker_id=worker.worker_id, address=worker.address)
 
     async def RegisterWorker(
         self, request: router_pb2.RegisterWorkerRequest, context: Context
     ) -> router_pb2.RegisterWorkerResponse:
-        try:
-            await self._registry.register(
-                worker_id=request.worker_id,
-                address=request.address,
-                models=tuple(request.models),
-                timeout_s=self._budget_s(context),
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        await self._registry.register(
+            worker_id=request.worker_id,
+            address=request.address,
+            models=tuple(request.models),
+            timeout_s=self._budget_s(context),
+        )
         return router_pb2.RegisterWorkerResponse(
             heartbeat_interval_s=self._settings.heartbeat_interval_s, lease_s=self._settings.lease_s
         )
@@ -60,34 +53,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Heartbeat(
         self, request: router_pb2.HeartbeatRequest, context: Context
     ) -> router_pb2.HeartbeatResponse:
-        try:
-            known = await self._registry.heartbeat(
-                worker_id=request.worker_id,
-                in_flight=request.in_flight,
-                timeout_s=self._budget_s(context),
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        known = await self._registry.heartbeat(
+            worker_id=request.worker_id,
+            in_flight=request.in_flight,
+            timeout_s=self._budget_s(context),
+        )
         return router_pb2.HeartbeatResponse(known=known)
 
     async def ListWorkers(
         self, request: router_pb2.ListWorkersRequest, context: Context
     ) -> router_pb2.ListWorkersResponse:
-        try:
-            workers = await self._registry.list_workers(timeout_s=self._budget_s(context))
-        except RollgateError as err:
-            await abort_with(context, err)
+        workers = await self._registry.list_workers(timeout_s=self._budget_s(context))
         return router_pb2.ListWorkersResponse(workers=[_worker_info(w) for w in workers])
 
     async def DeregisterWorker(
         self, request: router_pb2.DeregisterWorkerRequest, context: Context
     ) -> router_pb2.DeregisterWorkerResponse:
-        try:
-            await self._registry.deregister(
-                worker_id=request.worker_id, timeout_s=self._budget_s(context)
-            )
-        except RollgateError as err:
-            await abort_with(context, err)
+        await self._registry.deregister(
+            worker_id=request.worker_id, timeout_s=self._budget_s(context)
+        )
         return router_pb2.DeregisterWorkerResponse()
 
 

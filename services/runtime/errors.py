@@ -1,7 +1,8 @@
 """The one error tree: each error carries its gRPC status, HTTP status, type and code.
 
-Servicers raise these; `abort_with` puts them on the wire as trailing metadata, and
-`from_rpc_error` rebuilds them on the other side, so the gateway maps one tree to HTTP.
+Servicers raise these; the server interceptor (services/runtime/grpc_server.py) puts them on
+the wire as trailing metadata, and `from_rpc_error` rebuilds them on the other side, so the
+gateway maps one tree to HTTP. A message is bounded here, once, whatever it echoes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,24 @@ from typing import Any, ClassVar, NoReturn
 import grpc
 import orjson
 
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
 ERROR_METADATA_KEY = "rollgate-error-bin"
+# What an error message may echo: far below gRPC's 8 KiB trailing-metadata limit, and more
+# than any message needs (an identifier that long is refused as too long before it is echoed).
+MAX_ERROR_MESSAGE_CHARS = 1000
+_TRUNCATED = "… (truncated)"
+# The longest identifier (session, interaction, model, task, group, …) a request may carry.
+MAX_IDENTIFIER_CHARS = 256
+
+
+def bounded(text: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
+    """`text`, cut to `limit` characters with a marker when longer."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - len(_TRUNCATED)] + _TRUNCATED
 
 
 class RollgateError(Exception):
@@ -25,9 +43,10 @@ class RollgateError(Exception):
     def __init__(
         self, message: str, *, code: str | None = None, retry_after_s: float | None = None
     ) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
-        self.code = code or self.default_code
+        self.code = bounded(code or self.default_code, 100)
         self.retry_after_s = retry_after_s
 
     def to_json(self) -> dict[str, Any]:
@@ -147,45 +166,78 @@ _KINDS: dict[str, type[RollgateError]] = {
     )
 }
 
-# Used when the peer sent a bare gRPC status (a crash, a network failure, a deadline).
-_BY_STATUS: dict[grpc.StatusCode, type[RollgateError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: Conflict,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: TooManyRequests,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: UpstreamTimeout,
-    grpc.StatusCode.CANCELLED: Unavailable,
-}
+
+def state_store_unavailable() -> Unavailable:
+    """What a caller hears when Redis cannot be reached (the details go to the log)."""
+    return Unavailable(
+        "state store unavailable: retry shortly", code="state_store_unavailable", retry_after_s=1.0
+    )
+
+
+def check_identifier(value: str, name: str, *, limit: int = MAX_IDENTIFIER_CHARS) -> str:
+    """`value` if it is at most `limit` characters, else InvalidRequest naming the limit."""
+    if len(value) > limit:
+        raise InvalidRequest(
+            f"{name} is {len(value)} characters long; the limit is {limit}",
+            code="identifier_too_long",
+        )
+    return value
+
+
+def _from_metadata(err: grpc.aio.AioRpcError) -> RollgateError | None:
+    for key, value in err.trailing_metadata() or ():
+        if key != ERROR_METADATA_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            payload = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(payload, dict):
+            return None
+        cls = _KINDS.get(str(payload.get("kind", "")), RollgateError)
+        retry = payload.get("retry_after_s")
+        return cls(
+            str(payload.get("message", "")),
+            code=payload.get("code") if isinstance(payload.get("code"), str) else None,
+            retry_after_s=float(retry) if isinstance(retry, int | float) else None,
+        )
+    return None
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, *, hop: str) -> RollgateError:
-    """Rebuilds the RollgateError a peer raised, or describes the failed hop."""
-    for key, value in err.trailing_metadata() or ():
-        if key == ERROR_METADATA_KEY and isinstance(value, bytes):
-            payload = orjson.loads(value)
-            cls = _KINDS.get(payload.get("kind", ""), RollgateError)
-            return cls(
-                payload.get("message", ""),
-                code=payload.get("code"),
-                retry_after_s=payload.get("retry_after_s"),
-            )
-    cls = _BY_STATUS.get(err.code(), InternalError)
-    if err.code() == grpc.StatusCode.UNAVAILABLE:
+    """Rebuilds the RollgateError a peer raised, or describes the failed hop.
+
+    A bare status (no rollgate metadata: a crash, the network, a transport limit) is described
+    by the hop and its status only; its details can name addresses and exception classes, so
+    they go to the log, never to the caller.
+    """
+    rebuilt = _from_metadata(err)
+    if rebuilt is not None:
+        return rebuilt
+    code = err.code()
+    log.warning("rpc_failed", hop=hop, code=code.name, details=err.details())
+    if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(
-            f"the {hop} is unreachable ({err.details()}); retry shortly",
+            f"the {hop} is unreachable; retry shortly",
             code=f"{hop}_unavailable",
             retry_after_s=1.0,
         )
-    if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return UpstreamTimeout(f"the {hop} did not answer in time", code=f"{hop}_timeout")
-    return cls(f"{hop} failed: {err.code().name}: {err.details()}")
+    if code == grpc.StatusCode.CANCELLED:
+        return Unavailable(
+            f"the call to the {hop} was cancelled; retry", code=f"{hop}_cancelled", retry_after_s=1
+        )
+    # RESOURCE_EXHAUSTED without our metadata is a transport limit (a message or its metadata
+    # too large), not a rate limit: a 429 would make clients retry forever.
+    return InternalError(
+        f"the {hop} failed ({code.name}); see the service logs", code=f"{hop}_failed"
+    )
 
 
 async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: RollgateError) -> NoReturn:
-    """Ends the RPC with `error`, carried in trailing metadata."""
+    """Ends the RPC with `error`, carried in trailing metadata (servicers just raise it: the
+    server interceptor calls this)."""
     context.set_trailing_metadata(error.to_metadata())
     await context.abort(error.grpc_status, error.message)
     raise AssertionError("unreachable: context.abort raises")

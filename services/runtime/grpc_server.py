@@ -8,17 +8,30 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
 
+from services.runtime.errors import (
+    InternalError,
+    RollgateError,
+    Unavailable,
+    abort_with,
+    check_identifier,
+    state_store_unavailable,
+)
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
 # 64 MiB: trajectories and long prompts exceed gRPC's default 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A backstop above the gateway's own identifier limit: hops compose identifiers
+# (digest/session), and direct callers (training code) skip the gateway.
+MAX_RPC_STRING_CHARS = 1024
 
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -31,8 +44,16 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """One log line per finished RPC with its method and duration."""
+class _ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Every RPC of every servicer: request identifiers bounded, errors mapped, one log line.
+
+    Servicers raise RollgateError; this puts it on the wire (status + bounded trailing
+    metadata). Redis failures become 503 "state store unavailable"; anything else unexpected is
+    logged with its traceback and answered INTERNAL without details.
+    """
+
+    def __init__(self, service: str) -> None:
+        self._service = service
 
     async def intercept_service(
         self,
@@ -43,13 +64,17 @@ class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         method = handler_call_details.method
         if handler is None or method.startswith("/grpc.health"):
             return handler
+        service = self._service
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 started = time.perf_counter()
                 try:
+                    check_request_strings(request)
                     return await inner_uu(request, context)
+                except Exception as err:
+                    await _abort(context, err, service=service, method=method)
                 finally:
                     _log_rpc(method, started, context)
 
@@ -66,8 +91,11 @@ class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
             ) -> Any:
                 started = time.perf_counter()
                 try:
+                    check_request_strings(request)
                     async for item in inner_us(request, context):
                         yield item
+                except Exception as err:
+                    await _abort(context, err, service=service, method=method)
                 finally:
                     _log_rpc(method, started, context)
 
@@ -77,6 +105,45 @@ class _LogInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def check_request_strings(request: Any) -> None:
+    """InvalidRequest naming the field when a request's string field is over the limit.
+
+    Every string field of rollgate's requests is an identifier (ids, names, digests,
+    addresses); bodies travel as bytes. Checked here so no servicer echoes a huge one.
+    """
+    for field, value in request.ListFields():
+        if field.type != FieldDescriptor.TYPE_STRING:
+            continue
+        values = value if field.is_repeated else (value,)
+        for text in values:
+            check_identifier(text, field.name, limit=MAX_RPC_STRING_CHARS)
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], err: Exception, *, service: str, method: str
+) -> NoReturn:
+    if isinstance(err, grpc.aio.AbortError):
+        raise err  # the servicer ended the RPC itself
+    await abort_with(context, _as_rollgate_error(err, service=service, method=method))
+
+
+def _as_rollgate_error(err: Exception, *, service: str, method: str) -> RollgateError:
+    if isinstance(err, RollgateError):
+        return err
+    if isinstance(err, RedisError):
+        log.warning("state_store_failed", method=method, error=type(err).__name__, detail=str(err))
+        return state_store_unavailable()
+    if isinstance(err, TimeoutError):
+        log.warning("rpc_timed_out", method=method)
+        return Unavailable(
+            f"the {service} timed out on an internal call; retry shortly",
+            code=f"{service}_timeout",
+            retry_after_s=1.0,
+        )
+    log.error("rpc_crashed", method=method, exc_info=err)
+    return InternalError(f"internal error in the {service}; see its logs", code="internal_error")
 
 
 def _log_rpc(method: str, started: float, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -106,7 +173,9 @@ class GrpcServer:
 
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
-        self.server = grpc.aio.server(interceptors=[_LogInterceptor()], options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            interceptors=[_ServiceInterceptor(spec.name)], options=SERVER_OPTIONS
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0

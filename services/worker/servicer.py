@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
-from services.runtime.errors import RollgateError, abort_with
+from services.runtime.errors import RollgateError
 from services.runtime.logs import get_logger
 from services.worker.turn import TurnResult
 from services.worker.turns import TurnRunner
@@ -71,7 +71,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         )
         except RollgateError as err:
             _log_failure(request, err)
-            await abort_with(context, err)
+            raise
 
     async def Abort(
         self, request: worker_pb2.AbortRequest, context: Context
@@ -85,7 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             turn = await self._runner.complete(request.body_json, budget_s=self._budget_s(context))
         except RollgateError as err:
             _log_failure(request, err)
-            await abort_with(context, err)
+            raise
         return worker_pb2.CompleteResponse(
             body_json=turn.body_json, record=turn_record(turn.record)
         )

@@ -375,7 +375,9 @@ async def test_an_unreachable_redis_is_reported_as_unavailable(make_stack: Stack
 
     for caught in (on_stats, on_pull):
         assert caught.value.status == grpc.StatusCode.UNAVAILABLE
-        assert caught.value.code == "redis_unavailable"
+        assert caught.value.code == "state_store_unavailable"
+        assert "state store unavailable" in str(caught.value)
+        assert "127.0.0.1" not in str(caught.value) and "ConnectionError" not in str(caught.value)
 
 
 async def wait_for_group(stack: Stack, group: str) -> None:
