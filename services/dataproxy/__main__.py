@@ -15,6 +15,7 @@ from services.dataproxy.conversations_servicer import (
     add_ConversationsServicer_to_server,
     build_conversations,
 )
+from services.dataproxy.keys_servicer import add_KeysServicer_to_server, build_keys
 from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
@@ -29,7 +30,12 @@ from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import service_main
 from services.runtime.tasks import cancel_and_wait
 
-SERVICE_NAMES = ("rollgate.v1.DataProxy", "rollgate.v1.Trainer", "rollgate.v1.Conversations")
+SERVICE_NAMES = (
+    "rollgate.v1.DataProxy",
+    "rollgate.v1.Trainer",
+    "rollgate.v1.Conversations",
+    "rollgate.v1.Keys",
+)
 REDIS_PING_TIMEOUT_S = 5.0
 REAPER_STOP_S = 5.0
 
@@ -125,6 +131,10 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
         add_ConversationsServicer_to_server(
             build_conversations(redis=redis, prefix=settings.redis_prefix), server.server
+        )
+        add_KeysServicer_to_server(
+            build_keys(redis=redis, prefix=settings.redis_prefix, admin_key=settings.admin_key),
+            server.server,
         )
         # Entered last, so it stops first: in-flight turns drain while Redis and channels live.
         await stack.enter_async_context(server)

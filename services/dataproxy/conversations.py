@@ -18,7 +18,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.dataproxy.redis_keys import RedisKeys
-from services.runtime.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
+from services.dataproxy.revocation import SessionKeyRevoker
+from services.runtime.errors import Conflict, InvalidRequest, NotFound
 from services.runtime.keys import key_id_of
 from services.runtime.logs import get_logger
 
@@ -29,7 +30,6 @@ STATE_TTL_S = 30 * 24 * 3600
 MAX_LEASE_MS = 15 * 60 * 1000
 MAX_RUN_CLAIM_MS = 7 * 24 * 3600 * 1000
 MAX_NAME_LEN = 512
-UNKNOWN_KEY = "unknown session key: use the sk-sess-… key returned by /rl/start_session"
 
 # Lua: `unpack` is bounded by the C stack, so pushes go in batches.
 _PUSH_ALL = """
@@ -193,6 +193,11 @@ class ConversationStore:
         self._put_response = redis.register_script(_PUT_RESPONSE)
         self._get_response = redis.register_script(_GET_RESPONSE)
         self._claim_run = redis.register_script(_CLAIM_RUN)
+        self._revoker = SessionKeyRevoker(redis=redis, keys=keys)
+
+    async def _raise_for(self, reply: list[Any], digest: str) -> None:
+        if _status(reply) == "unknown_key":
+            raise await self._revoker.refusal(digest)
 
     def _conv_keys(self, digest: str, name: str) -> tuple[str, str, str]:
         _check_name(name, "the conversation name")
@@ -207,7 +212,7 @@ class ConversationStore:
         """The last `limit` messages (all when limit <= 0), oldest first."""
         key, conv, _ = self._conv_keys(digest, name)
         reply = await self._get_messages(keys=[key, conv], args=[limit])
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         return Messages(messages=list(reply[2:]), total=int(reply[1]))
 
     async def append(self, digest: str, name: str, *, messages: list[bytes], holder: str) -> int:
@@ -218,14 +223,14 @@ class ConversationStore:
             raise Conflict(
                 "this run no longer holds the conversation's turn lease", code="lease_lost"
             )
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         return int(reply[1])
 
     async def reset(self, digest: str, name: str) -> int:
         """Drops the conversation's history; how many messages it held."""
         key, conv, _ = self._conv_keys(digest, name)
         reply = await self._reset(keys=[key, conv])
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         log.info("conversation_reset", key_id=key_id_of(digest), dropped=int(reply[1]))
         return int(reply[1])
 
@@ -236,7 +241,7 @@ class ConversationStore:
             raise InvalidRequest(f"lease_ms must be in 1..{MAX_LEASE_MS}")
         key, _, lease = self._conv_keys(digest, name)
         reply = await self._acquire(keys=[key, lease], args=[holder, lease_ms])
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         if _status(reply) == "granted":
             return Lease(granted=True, retry_after_ms=0)
         return Lease(granted=False, retry_after_ms=max(1, int(reply[1])))
@@ -257,7 +262,7 @@ class ConversationStore:
         key, _, _ = self._conv_keys(digest, name)
         claim = self._keys.conversation_run(key_id_of(digest), name, idempotency_key)
         reply = await self._claim_run(keys=[key, claim], args=[run_id, ttl_ms])
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         first = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         return RunClaim(claimed=_status(reply) == "claimed", run_id=first)
 
@@ -284,7 +289,7 @@ class ConversationStore:
         )
         if _status(reply) == "parent_not_found":
             raise _response_not_found(previous_response_id)
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         return int(reply[1])
 
     async def get_response(
@@ -298,7 +303,7 @@ class ConversationStore:
         )
         if _status(reply) == "not_found":
             raise _response_not_found(response_id)
-        _raise_for(reply)
+        await self._raise_for(reply, digest)
         return StoredResponse(response_json=reply[1], chain_items=list(reply[2:]))
 
 
@@ -308,8 +313,3 @@ def _response_not_found(response_id: str) -> NotFound:
         "was created with store: false, or expired)",
         code="previous_response_not_found",
     )
-
-
-def _raise_for(reply: list[Any]) -> None:
-    if _status(reply) == "unknown_key":
-        raise Unauthenticated(UNKNOWN_KEY)

@@ -119,3 +119,20 @@ class RedisKeys:
     def response_chain(self, key_id: str, chain_id: str) -> str:
         """List of the items (JSON) of one Responses chain, materialized in order."""
         return f"{self.prefix}rchain:{key_id}:{chain_id}"
+
+    def revoked(self, digest: str) -> str:
+        """Hash `key_id`, `kind`, `revoked_at` of a revoked key (any kind); kept for good."""
+        return f"{self.prefix}revoked:{digest}"
+
+    @property
+    def access_keys(self) -> str:
+        """Hash digest → JSON `{key_id, kind, label, created_at}` of issued admin/trainer keys."""
+        return f"{self.prefix}access_keys"
+
+    def key_pattern(self, key_id: str) -> str:
+        """SCAN pattern of the session key hashes whose digest starts with `key_id` (hex)."""
+        return f"{self.prefix}key:{key_id}*"
+
+    def revoked_pattern(self, key_id: str) -> str:
+        """SCAN pattern of the tombstones whose digest starts with `key_id` (hex)."""
+        return f"{self.prefix}revoked:{key_id}*"

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from services.dataproxy.control import CapacityPolicy
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
+from services.dataproxy.revocation import SessionKeyRevoker
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.trajectory import (
     CODEC,
@@ -34,7 +35,6 @@ from services.runtime.errors import (
     InvalidRequest,
     NotFound,
     TooManyRequests,
-    Unauthenticated,
     Unavailable,
 )
 from services.runtime.keys import key_digest, key_id_of, new_session_key
@@ -49,7 +49,6 @@ DEFAULT_TASK_ID = "default"
 MAX_PUBLISH_ATTEMPTS = 5
 
 NO_ACTIVE_EPISODE = "no active episode on this key; start one with /rl/start_session"
-UNKNOWN_KEY = "unknown session key: use the sk-sess-… key returned by /rl/start_session"
 BETWEEN_EPISODES = (
     "no active episode on this key: the last one ended or is being refreshed; "
     "call /rl/start_session with this key to start the next one"
@@ -219,6 +218,7 @@ class SessionStore:
         self._admin_key = admin_key
         self._refresh_lock_s = refresh_lock_s
         self._policy = policy or EpisodePolicy()
+        self._revoker = SessionKeyRevoker(redis=redis, keys=keys)
 
     @property
     def policy(self) -> EpisodePolicy:
@@ -248,6 +248,8 @@ class SessionStore:
                 raise InvalidRequest(HEADER_KEY_NO_START, code="header_mode_key")
             if await self._redis.exists(self._keys.key(digest)):
                 return await self._refresh(api_key, digest, task_id)
+            if await self._redis.exists(self._keys.revoked(digest)):
+                raise await self._revoker.refusal(digest)
             # AReaL behaviour: a key never issued here is not honoured; mint a new one.
             log.info("unknown_key_replaced", task_id=task_id)
         return await self._start_new(task_id or DEFAULT_TASK_ID)
@@ -358,6 +360,9 @@ class SessionStore:
                 taken = members[0]
                 members[0] = replace(taken, episode=f"{taken.name}-{secrets.token_hex(3)}")
                 continue
+            if status == "unknown" and mode != "new":
+                # The key hash is gone: revoked while this start waited.
+                raise await self._revoker.refusal(members[0].digest)
             if status != "full":
                 raise InternalError(f"binding an episode failed: {status}")
             left = deadline - time.monotonic()
@@ -826,7 +831,7 @@ class SessionStore:
             if status == b"paused":
                 return None
             if status == b"unknown":
-                raise Unauthenticated(UNKNOWN_KEY)
+                raise await self._revoker.refusal(digest)
             if status == b"not_active":
                 raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
             if status == b"needs_session":
@@ -874,7 +879,7 @@ class SessionStore:
         """The key's state; unknown keys are Unauthenticated."""
         key = await self._read_key(digest)
         if key is None:
-            raise Unauthenticated(UNKNOWN_KEY)
+            raise await self._revoker.refusal(digest)
         return key
 
     async def active_episode(self, digest: str) -> ActiveEpisode:
@@ -884,7 +889,7 @@ class SessionStore:
         pipe.get(self._keys.weight_version)
         (key_id, state, episode, epoch), weight_version = await pipe.execute()
         if key_id is None:
-            raise Unauthenticated(UNKNOWN_KEY)
+            raise await self._revoker.refusal(digest)
         if state != b"active":
             raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
         return ActiveEpisode(

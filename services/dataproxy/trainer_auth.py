@@ -1,30 +1,55 @@
-"""Who may call the Trainer service: the admin key or the trainer key, as bearer metadata."""
+"""Who may call the Trainer service: an admin or trainer key, as bearer metadata.
+
+Valid keys: the configured admin key (`ROLLGATE_ADMIN_KEY`) and trainer key
+(`ROLLGATE_TRAINER_KEY`), compared in constant time, and the admin and trainer keys issued at
+run time (`POST /rl/keys`), found by their SHA-256 digest (services/dataproxy/access_keys.py).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from services.runtime.errors import Unauthenticated
+from services.runtime.keys import access_key_kind, key_digest
 from services.runtime.secret import Secret, matches_any
 
 _MISSING = (
-    "the Trainer service needs the admin key (or the trainer key) as "
-    "`authorization: Bearer …` metadata"
+    "the Trainer service needs the admin key (or the trainer key) as `authorization: Bearer …` "
+    "metadata; admin and trainer keys issued by POST /rl/keys work too"
 )
+_REVOKED = "this key was revoked: use a current admin or trainer key"
+
+# digest → "admin" | "trainer" | "revoked" | "" (AccessKeyStore.lookup)
+AccessLookup = Callable[[str], Awaitable[str]]
 
 
 class TrainerAuth:
-    """Checks call metadata against the admin key and the optional trainer key."""
+    """Checks call metadata against the configured keys and the issued ones."""
 
-    def __init__(self, *, admin_key: Secret, trainer_key: Secret | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        admin_key: Secret,
+        trainer_key: Secret | None = None,
+        lookup: AccessLookup | None = None,
+    ) -> None:
         self._keys = tuple(key for key in (admin_key, trainer_key) if key)
+        self._lookup = lookup
 
-    def check(self, metadata: Iterable[Any] | None) -> None:
-        """Returns if a valid bearer key is present; else raises Unauthenticated."""
+    async def check(self, metadata: Iterable[Any] | None, *, what: str = _MISSING) -> None:
+        """Returns if a valid bearer key is present; else raises Unauthenticated (`what`)."""
         token = _bearer(metadata)
-        if not token or not matches_any(self._keys, token):
-            raise Unauthenticated(_MISSING, code="invalid_trainer_key")
+        if token and matches_any(self._keys, token):
+            return
+        text = token.decode(errors="replace")
+        if self._lookup is not None and access_key_kind(text):
+            kind = await self._lookup(key_digest(text))
+            if kind in ("admin", "trainer"):
+                return
+            if kind == "revoked":
+                raise Unauthenticated(_REVOKED, code="key_revoked")
+        raise Unauthenticated(what, code="invalid_trainer_key")
 
 
 def _bearer(metadata: Iterable[Any] | None) -> bytes:

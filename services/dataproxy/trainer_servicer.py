@@ -10,6 +10,7 @@ import grpc
 from redis.asyncio import Redis
 
 from protos import trainer_pb2, trainer_pb2_grpc
+from services.dataproxy.access_keys import AccessKeyStore
 from services.dataproxy.control import CapacityPolicy, Control, ControlSnapshot
 from services.dataproxy.groups import GroupDirectory, GroupTag, complete_groups, tagged
 from services.dataproxy.redis_keys import RedisKeys
@@ -39,7 +40,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         reclaim_idle_s: float = 60.0,
         control: Control | None = None,
     ) -> None:
-        self._auth = TrainerAuth(admin_key=settings.admin_key, trainer_key=settings.trainer_key)
+        self._auth = TrainerAuth(
+            admin_key=settings.admin_key,
+            trainer_key=settings.trainer_key,
+            lookup=AccessKeyStore(redis=redis, keys=keys).lookup,
+        )
         self._stream = TrajectoryStream(redis=redis, keys=keys, reclaim_idle_s=reclaim_idle_s)
         self._control = control or build_control(redis=redis, keys=keys, settings=settings)
         self._groups = GroupDirectory(redis=redis, keys=keys)
@@ -138,7 +143,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             raise InvalidRequest("group and consumer are required")
 
     async def _authorize(self, context: Context) -> None:
-        self._auth.check(context.invocation_metadata())
+        await self._auth.check(context.invocation_metadata())
 
 
 def build_control(*, redis: Redis, keys: RedisKeys, settings: DataProxySettings) -> Control:

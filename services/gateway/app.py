@@ -6,7 +6,7 @@ import time
 
 from aiohttp import web
 
-from services.gateway import chat, health, models, responses, session_api, ws
+from services.gateway import chat, health, key_admin, models, responses, session_api, ws
 from services.gateway.backends import SETTINGS, backends_ctx
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
@@ -34,6 +34,8 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/rl/set_reward", session_api.set_reward)
     app.router.add_post("/rl/end_session", session_api.end_session)
     app.router.add_post("/rl/keys", session_api.issue_key)
+    app.router.add_post("/rl/keys/revoke", session_api.revoke)
+    key_admin.mount(app)
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)

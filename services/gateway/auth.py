@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from services.runtime.errors import Unauthenticated
-from services.runtime.keys import looks_like_session_key
+from services.runtime.keys import access_key_kind, key_digest, looks_like_session_key
 from services.runtime.secret import Secret
+
+# digest → "admin" | "trainer" | "revoked" | "": what the dataproxy's Keys service knows of an
+# issued admin or trainer key (held there only as a digest).
+AccessLookup = Callable[[str], Awaitable[str]]
 
 MISSING_KEY_MESSAGE = (
     "missing API key: send `Authorization: Bearer <sk-sess-… session key from /rl/start_session>`"
@@ -20,7 +24,14 @@ NOT_A_SESSION_KEY_MESSAGE = (
     "this is not a rollgate session key; use the `sk-sess-…` key returned by "
     "/rl/start_session (the upstream API key stays on the server)"
 )
-ADMIN_KEY_REQUIRED_MESSAGE = "start_session needs the admin key"
+ISSUED_KEY_ON_SESSION_ROUTE_MESSAGE = (
+    "this is an admin or trainer key; chat and reward calls need the session key (`sk-sess-…`) "
+    "returned by /rl/start_session"
+)
+ADMIN_KEY_REQUIRED_MESSAGE = (
+    "this route needs the admin key (ROLLGATE_ADMIN_KEY, or an admin key issued by POST /rl/keys)"
+)
+ADMIN_KEY_REVOKED_MESSAGE = "this admin key was revoked: use a current admin key"
 
 
 class KeyKind(enum.Enum):
@@ -28,6 +39,9 @@ class KeyKind(enum.Enum):
 
     ADMIN = "admin"
     SESSION = "session"
+    # Shaped like an admin or trainer key issued at run time: valid only if the Keys service
+    # knows its digest.
+    ISSUED = "issued"
     OTHER = "other"
 
 
@@ -42,11 +56,14 @@ def read_key(headers: Mapping[str, str]) -> str | None:
 
 
 def classify(key: str, admin_key: Secret) -> KeyKind:
-    """ADMIN for the admin key, SESSION for the `sk-sess-` shape, OTHER for anything else."""
+    """ADMIN for the configured admin key, SESSION for the `sk-sess-` shape, ISSUED for the
+    `sk-admin-` / `sk-trainer-` shapes, OTHER for anything else."""
     if admin_key.matches(key):
         return KeyKind.ADMIN
     if looks_like_session_key(key):
         return KeyKind.SESSION
+    if access_key_kind(key):
+        return KeyKind.ISSUED
     return KeyKind.OTHER
 
 
@@ -58,24 +75,43 @@ def require_session_key(headers: Mapping[str, str], admin_key: Secret) -> str:
     kind = classify(key, admin_key)
     if kind is KeyKind.ADMIN:
         raise Unauthenticated(ADMIN_KEY_ON_SESSION_ROUTE_MESSAGE, code="admin_key_not_allowed")
+    if kind is KeyKind.ISSUED:
+        raise Unauthenticated(ISSUED_KEY_ON_SESSION_ROUTE_MESSAGE, code="admin_key_not_allowed")
     if kind is KeyKind.OTHER:
         raise Unauthenticated(NOT_A_SESSION_KEY_MESSAGE, code="not_a_session_key")
     return key
 
 
-def require_admin_key(headers: Mapping[str, str], admin_key: Secret) -> None:
-    """Passes only for the admin key."""
+async def require_admin_key(
+    headers: Mapping[str, str], admin_key: Secret, lookup: AccessLookup
+) -> None:
+    """Passes for the configured admin key (constant time) and for issued admin keys (by
+    digest: one lookup, only for keys of that shape)."""
     key = read_key(headers)
-    if key is None or classify(key, admin_key) is not KeyKind.ADMIN:
-        raise Unauthenticated(ADMIN_KEY_REQUIRED_MESSAGE, code="admin_key_required")
+    kind = KeyKind.OTHER if key is None else classify(key, admin_key)
+    if kind is KeyKind.ADMIN:
+        return
+    if key is not None and kind is KeyKind.ISSUED and access_key_kind(key) == "admin":
+        found = await lookup(key_digest(key))
+        if found == "admin":
+            return
+        if found == "revoked":
+            raise Unauthenticated(ADMIN_KEY_REVOKED_MESSAGE, code="key_revoked")
+    raise Unauthenticated(ADMIN_KEY_REQUIRED_MESSAGE, code="admin_key_required")
 
 
-def require_any_key(headers: Mapping[str, str], admin_key: Secret) -> tuple[KeyKind, str]:
-    """The admin key or a session-shaped key, with its kind."""
+async def require_any_key(
+    headers: Mapping[str, str], admin_key: Secret, lookup: AccessLookup
+) -> tuple[KeyKind, str]:
+    """An admin key (ADMIN, configured or issued) or a session-shaped key (SESSION: the caller
+    checks that the dataproxy knows it), with its kind."""
     key = read_key(headers)
     if key is None:
         raise Unauthenticated(MISSING_KEY_MESSAGE, code="missing_api_key")
     kind = classify(key, admin_key)
+    if kind is KeyKind.ISSUED:
+        await require_admin_key(headers, admin_key, lookup)
+        return KeyKind.ADMIN, key
     if kind is KeyKind.OTHER:
         raise Unauthenticated(NOT_A_SESSION_KEY_MESSAGE, code="not_a_session_key")
     return kind, key

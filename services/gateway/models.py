@@ -11,6 +11,7 @@ from protos import dataproxy_pb2, router_pb2
 from services.gateway.auth import KeyKind, require_any_key
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
+from services.gateway.key_admin import KEYS
 from services.runtime.errors import from_rpc_error
 from services.runtime.keys import key_digest
 
@@ -31,7 +32,7 @@ async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models and /models (session or admin key)."""
     settings = request.app[SETTINGS]
     backends = request.app[BACKENDS]
-    kind, key = require_any_key(request.headers, settings.admin_key)
+    kind, key = await require_any_key(request.headers, settings.admin_key, request.app[KEYS].lookup)
     if kind is KeyKind.SESSION:
         # Rejects well-formed keys the dataproxy does not know (401).
         try:

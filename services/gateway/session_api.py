@@ -13,10 +13,11 @@ import orjson
 from aiohttp import web
 
 from protos import dataproxy_pb2
-from services.gateway.auth import require_admin_key, require_session_key
+from services.gateway.auth import require_session_key
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.header_mode import SESSION_ID_HEADER
 from services.gateway.http_errors import json_response
+from services.gateway.key_admin import issue_access_key, require_admin, revoke_key
 from services.runtime.errors import InvalidRequest, from_rpc_error
 from services.runtime.keys import key_digest, looks_like_session_key
 from services.runtime.secret import Secret
@@ -134,7 +135,7 @@ def parse_set_reward(raw: bytes) -> SetRewardCall:
 async def start_session(request: web.Request) -> web.Response:
     """POST /rl/start_session (admin key): a new session, or a refresh of `api_key`."""
     settings = request.app[SETTINGS]
-    require_admin_key(request.headers, settings.admin_key)
+    await require_admin(request)
     call = parse_start_session(await request.read(), settings.admin_key)
     rpc_request = dataproxy_pb2.StartSessionRequest(
         task_id=call.task_id, api_key=call.api_key, group_size=call.group_size
@@ -200,10 +201,13 @@ async def end_session(request: web.Request) -> web.Response:
 
 
 async def issue_key(request: web.Request) -> web.Response:
-    """POST /rl/keys (admin key): a long-lived header-mode key (X-Session-Id names episodes)."""
+    """POST /rl/keys (admin key): a long-lived header-mode key (X-Session-Id names episodes),
+    or with `kind` an admin or trainer key (services/gateway/key_admin.py)."""
     settings = request.app[SETTINGS]
-    require_admin_key(request.headers, settings.admin_key)
+    await require_admin(request)
     body = _json_object(await request.read())
+    if body.get("kind") not in (None, "session"):
+        return await issue_access_key(request, body)
     mode = _optional_str(body, "mode") or "header"
     if mode != "header":
         raise InvalidRequest(
@@ -220,3 +224,9 @@ async def issue_key(request: web.Request) -> web.Response:
     return json_response(
         {"api_key": response.api_key, "key_id": response.key_id, "mode": response.mode}
     )
+
+
+async def revoke(request: web.Request) -> web.Response:
+    """POST /rl/keys/revoke (admin key): revokes a session, admin or trainer key."""
+    await require_admin(request)
+    return await revoke_key(request, _json_object(await request.read()))

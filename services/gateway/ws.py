@@ -59,6 +59,11 @@ from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
+# The dataproxy's code for a key revoked by the admin (services/dataproxy/revocation.py).
+KEY_REVOKED_CODE = "key_revoked"
+# Methods whose own dataproxy call refuses an unknown or revoked key.
+KEY_CHECKED_METHODS = frozenset({"chat.send", "agent", "chat.history", "sessions.reset"})
+
 WS_CONFIG = web.AppKey("ws_config", WsConfig)
 WS_RUNS = web.AppKey("ws_runs", Runs)
 
@@ -322,7 +327,10 @@ class Connection:
             return await self._close(CLOSE_PROTOCOL, "protocol mismatch")
         try:
             self.digest = await self._authenticate(req.params)
-        except Unauthenticated:
+        except Unauthenticated as err:
+            if err.code == KEY_REVOKED_CODE:
+                await self._send(error_for(req.id, err))
+                return await self._close(CLOSE_POLICY, "key revoked")
             await self._send(
                 error(
                     req.id, INVALID_REQUEST, TOKEN_MISMATCH_MESSAGE, details=TOKEN_MISMATCH_DETAILS
@@ -373,6 +381,9 @@ class Connection:
             await self._dispatch(req)
         except RollgateError as err:
             await self._send(error_for(req.id, err))
+            if err.code == KEY_REVOKED_CODE:
+                # The key was revoked while connected: nothing on this socket works any more.
+                await self._close(CLOSE_POLICY, "key revoked")
 
     async def _dispatch(self, req: Request) -> None:
         handlers = {
@@ -385,6 +396,10 @@ class Connection:
             "sessions.list": self._sessions_list,
         }
         handler = handlers.get(req.method)
+        if req.method not in KEY_CHECKED_METHODS:
+            # These answer without asking the dataproxy: check the key is still valid (a key
+            # revoked while connected is refused on every method, not only on runs).
+            await self._resolve(self.digest)
         if handler is not None:
             await handler(req)
             return
