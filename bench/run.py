@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import statistics
@@ -222,17 +223,24 @@ def _spawn(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited during start-up:\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer in time")
+def _serve_http(argv: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts an HTTP process on a free port (`{port}` in argv); retries when the port was
+    taken meanwhile. Returns the process and its base URL."""
+    for _ in range(5):
+        port = free_port()
+        process = _spawn([a.replace("{port}", str(port)) for a in argv], log, REPO)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=1) as resp:
+                    if resp.status == 200:
+                        return process, url
+            except (urllib.error.URLError, http.client.HTTPException, OSError):
+                time.sleep(0.05)
+        process.kill()
+        process.wait()
+    raise RuntimeError(f"{argv[:3]} did not start:\n{log.read_text()[-2000:]}")
 
 
 @contextlib.contextmanager
@@ -241,27 +249,21 @@ def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Env
     logs = tmp / cell.name
     logs.mkdir(parents=True, exist_ok=True)
     python = sys.executable
-    mock_port, floor_port = free_port(), free_port()
-    mock = _spawn(
+    mock, mock_url = _serve_http(
         [
-            python, "-m", "rollgate.mock_llm", "--port", str(mock_port),
+            python, "-m", "rollgate.mock_llm", "--port", "{port}",
             "--latency-ms", str(cell.first_token_ms),
             "--token-interval-ms", str(cell.token_interval_ms),
             "--answer-tokens", str(cell.tokens), "--model", MODEL,
         ],
-        logs / "mock.log", REPO,
+        logs / "mock.log",
     )  # fmt: skip
-    mock_url = f"http://127.0.0.1:{mock_port}"
     floor = None
     try:
-        _wait_http(mock_url + "/v1/models", mock, logs / "mock.log")
-        floor = _spawn(
-            [python, str(HERE / "floor.py"), "--port", str(floor_port), "--upstream", mock_url],
+        floor, floor_url = _serve_http(
+            [python, str(HERE / "floor.py"), "--port", "{port}", "--upstream", mock_url],
             logs / "floor.log",
-            REPO,
         )
-        floor_url = f"http://127.0.0.1:{floor_port}"
-        _wait_http(floor_url + "/v1/models", floor, logs / "floor.log")
         root = Path(args.rollgate_root).resolve()
         config = StackConfig(
             admin_key="rg-admin-" + uuid.uuid4().hex,
