@@ -17,7 +17,8 @@ from services.dataproxy.sessions import ActiveEpisode, SessionStore
 from services.dataproxy.turns import (
     VERSIONS_AT_ADMISSION,
     VERSIONS_UNCOUNTED,
-    encode_turn,
+    PriorTurns,
+    TurnEncoder,
     output_length,
     per_token_versions,
 )
@@ -115,6 +116,8 @@ class TurnRunner:
         self._turn_timeout_s = turn_timeout_s
         self._control = control
         self._versions = versions
+        # Each open episode's latest turn: the next one stores only what it adds to it.
+        self._prior = PriorTurns()
 
     async def stream(
         self, request: TurnRequest
@@ -233,11 +236,12 @@ class TurnRunner:
             # Every interaction needs an id for set_reward; the worker should have sent one.
             record.interaction_id = "chatcmpl-rg-" + secrets.token_hex(12)
         now = time.time()
+        memory_key = (episode.key_id, episode.episode, episode.epoch)
+        encoder = TurnEncoder(record, prior=self._prior.get(memory_key))
         index = await self._store.record_turn(
             episode,
             interaction_id=record.interaction_id,
-            encode=lambda version_end: encode_turn(
-                record,
+            encode=lambda version_end: encoder.encode(
                 weight_version=episode.weight_version,
                 weight_version_end=version_end,
                 now=now,
@@ -246,6 +250,7 @@ class TurnRunner:
                 output_versions_source=versions.fallback,
             ),
         )
+        self._prior.put(memory_key, encoder.recorded_at(index))
         log.info(
             "turn_recorded",
             session_id=episode.session_id,

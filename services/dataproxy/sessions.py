@@ -28,7 +28,7 @@ from services.dataproxy.trajectory import (
     build_trajectory,
     encode_trajectory,
 )
-from services.dataproxy.turns import decode_turn, history_entry
+from services.dataproxy.turns import decode_turns, history_entry
 from services.runtime.errors import (
     Conflict,
     InternalError,
@@ -961,8 +961,7 @@ class SessionStore:
         pipe.hgetall(self._keys.rewards(key.key_id, key.episode))
         turns, rewards = await pipe.execute()
         entries = []
-        for raw in turns:
-            turn = decode_turn(raw)
+        for turn in decode_turns(turns):
             reward = rewards.get(turn["interaction_id"].encode())
             entries.append(
                 (turn["interaction_id"], history_entry(turn, float(reward) if reward else None))

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.turns import decode_turn
+from services.dataproxy.turns import common_prefix, decode_turns
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
 
@@ -67,7 +67,7 @@ def build_trajectory(
     info: EpisodeInfo, turns: Sequence[bytes], rewards: Mapping[str, float]
 ) -> dict[str, Any]:
     """The trajectory (schema version 2) of an episode, ready for `encode_trajectory`."""
-    decoded = [_decode_turn(raw) for raw in turns]
+    decoded = [_decode_turn(record) for record in decode_turns(turns)]
     parents = link_parents(decoded)
     tables = _ContentTables()
     interactions = [
@@ -160,28 +160,9 @@ def _longest_shared_prefix(prompt: bytes, earlier: Sequence[bytes]) -> tuple[int
     return best
 
 
-# Bytes compared at a time while looking for the first difference: slicing bytes copies, but
-# memcmp on copies is ~25x faster than comparing memoryviews element by element.
-_CHUNK_BYTES = 4096
-
-
 def _common_ids(a: bytes, b: bytes) -> int:
     """How many leading int32 ids two packed arrays share (compared as bytes)."""
-    end = min(len(a), len(b)) // 4 * 4
-    if a[:end] == b[:end]:  # the usual case: this prompt extends the earlier one
-        return end // 4
-    low = 0  # a[:low] == b[:low]; the first difference is in the next chunk
-    while a[low : low + _CHUNK_BYTES] == b[low : low + _CHUNK_BYTES]:
-        low += _CHUNK_BYTES
-    high = min(low + _CHUNK_BYTES, end) // 4  # a[:high * 4] != b[:high * 4]
-    low //= 4
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low * 4 : middle * 4] == b[low * 4 : middle * 4]:
-            low = middle
-        else:
-            high = middle
-    return low
+    return common_prefix(a, b) // 4
 
 
 def encode_trajectory(trajectory: Mapping[str, Any]) -> bytes:
@@ -245,8 +226,7 @@ def _versions_of(interaction: Mapping[str, Any]) -> set[int]:
     return set(struct.unpack(f"<{count}i", packed)) if count else set()
 
 
-def _decode_turn(raw: bytes) -> _Turn:
-    record: Mapping[str, Any] = decode_turn(raw)
+def _decode_turn(record: Mapping[str, Any]) -> _Turn:
     request = _json_object(record.get("request_json"))
     messages = request.get("messages")
     tools = request.get("tools")

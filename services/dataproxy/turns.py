@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 import zlib
 from array import array
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -48,8 +50,9 @@ def unpack_float32(data: bytes) -> list[float]:
     return values.tolist()
 
 
-# `request_json` is stored zlib-compressed (level 1) with `request_codec: "zlib"`: a repeated
-# 48 KB system prompt costs about a third of its size per turn in Redis, not all of it.
+# A stored `request_json` of 4 KB or more is zlib-compressed (level 1) with `request_codec:
+# "zlib"`. Since turns store only what they add to the episode's previous turn (TurnEncoder),
+# that is mostly an episode's first turn: a 48 KB system prompt costs a third of its size once.
 # Measured (2-core dev VM, other jobs running; 48 KB of English technical prose from
 # tests/dataproxy/large_prompt.py): request of the prompt + one user message, 50.8 KB ->
 # 17.8 KB, compress 0.19 ms (best of 7) / 0.31 ms (median) per turn; with OpenClaw's 12 tools
@@ -110,6 +113,185 @@ def per_token_versions(spans: Sequence[tuple[int, int]], n_output: int) -> list[
     return versions
 
 
+def common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading bytes `a` and `b` share (`startswith` on memoryview slices: memcmp,
+    no copies)."""
+    end = min(len(a), len(b))
+    view = memoryview(a)
+
+    def same(start: int, stop: int) -> bool:
+        return b.startswith(view[start:stop], start)
+
+    if same(0, end):
+        return end
+    low, high = 0, end  # a[:low] == b[:low], a[:high] != b[:high]
+    # The usual miss: the later request ends where the earlier one closed its list.
+    probe = max(0, end - 64)
+    if same(0, probe):
+        low = probe
+    else:
+        high = probe
+    while high - low > 1:
+        middle = (low + high) // 2
+        if same(low, middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+# A turn's request and prompt ids are stored as a prefix of an earlier turn of the same open
+# episode plus their own suffix when they share at least this much: agents resend the whole
+# conversation (a 48 KB system prompt, its tools, every earlier message) every turn.
+MIN_SHARED_REQUEST_BYTES = 256
+MIN_SHARED_IDS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PriorTurn:
+    """An episode's latest turn recorded by this process: what the next turn may share."""
+
+    index: int
+    request_json: bytes
+    # Its prompt ids followed by its output ids (int32 LE): the next prompt usually extends it.
+    token_ids: bytes
+
+    @property
+    def size(self) -> int:
+        """Bytes held."""
+        return len(self.request_json) + len(self.token_ids)
+
+
+class PriorTurns:
+    """The latest recorded turn of recently active episodes, bounded in count and bytes.
+
+    A miss (another replica recorded the previous turn, a restart, an eviction) only means
+    the turn is stored whole; correctness never depends on this memory.
+    """
+
+    def __init__(self, *, max_episodes: int = 1024, max_bytes: int = 128 << 20) -> None:
+        self._entries: OrderedDict[Hashable, PriorTurn] = OrderedDict()
+        self._max_episodes = max_episodes
+        self._max_bytes = max_bytes
+        self._bytes = 0
+
+    def get(self, episode: Hashable) -> PriorTurn | None:
+        """The episode's latest turn, if this process remembers it."""
+        prior = self._entries.get(episode)
+        if prior is not None:
+            self._entries.move_to_end(episode)
+        return prior
+
+    def put(self, episode: Hashable, prior: PriorTurn) -> None:
+        """Remembers `prior` as the episode's latest turn (a later index wins)."""
+        old = self._entries.pop(episode, None)
+        if old is not None:
+            self._bytes -= old.size
+            if old.index > prior.index:
+                prior = old
+        self._entries[episode] = prior
+        self._bytes += prior.size
+        while self._entries and (
+            len(self._entries) > self._max_episodes or self._bytes > self._max_bytes
+        ):
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.size
+
+
+class TurnEncoder:
+    """One turn's record (docs/internals.md, *Turn records*), packed once and encoded per
+    attempt: the append re-encodes it when the weight version moved meanwhile."""
+
+    def __init__(self, record: common_pb2.TurnRecord, *, prior: PriorTurn | None = None) -> None:
+        self.record = record
+        self.prior = prior
+        self.prompt_ids = pack_int32(record.prompt_token_ids)
+        self.output_ids = pack_int32(record.output_token_ids)
+        self._shared: dict[str, Any] = {}
+        request, prompt = record.request_json, self.prompt_ids
+        if prior is not None:
+            shared = common_prefix(request, prior.request_json)
+            if shared >= MIN_SHARED_REQUEST_BYTES:
+                self._shared["request_prefix"] = [prior.index, shared]
+                request = request[shared:]
+            ids = common_prefix(prompt, prior.token_ids) // 4
+            if ids >= MIN_SHARED_IDS:
+                self._shared["prompt_prefix_ids"] = [prior.index, ids]
+                prompt = prompt[ids * 4 :]
+        self._request = _request_fields(request)
+        self._prompt = prompt
+
+    def encode(
+        self,
+        *,
+        weight_version: int,
+        now: float,
+        weight_version_end: int | None = None,
+        turn_type: str = "main",
+        output_versions: Sequence[int] | None = None,
+        output_versions_source: str = VERSIONS_AT_ADMISSION,
+    ) -> bytes:
+        """The msgpack turn record; JSON fields stay bytes.
+
+        `weight_version` is the version when the turn was admitted; `weight_version_end` the
+        version when it finished (differs only when the trainer changed weights without
+        pausing submission first). `output_versions`, one per output token, is the version
+        each token was sampled under (streamed turns); without it every token carries
+        `weight_version`.
+        """
+        record = self.record
+        data: bytes = msgpack.packb(
+            {
+                "interaction_id": record.interaction_id,
+                "created_at": record.started_at_unix_s or now,
+                "latency_s": record.latency_s,
+                "ttft_s": record.ttft_s,
+                "upstream_model": record.upstream_model,
+                "upstream_kind": record.upstream_kind,
+                "finish_reason": record.finish_reason,
+                **self._request,
+                **self._shared,
+                "assistant_message_json": record.assistant_message_json,
+                "usage_json": record.usage_json or b"{}",
+                "prompt_token_ids": self._prompt,
+                "output_token_ids": self.output_ids,
+                "output_logprobs": pack_float32(record.output_logprobs),
+                "exact_tokens": record.exact_tokens,
+                "length_mismatch": record.length_mismatch,
+                "weight_version": weight_version,
+                "weight_version_end": weight_version
+                if weight_version_end is None
+                else weight_version_end,
+                # "main", or "side" (X-Turn-Type: heartbeats, memory flushes; not trained on).
+                "turn_type": turn_type,
+                **(
+                    {"output_versions": pack_int32(output_versions)}
+                    if output_versions is not None
+                    else {}
+                ),
+                "output_versions_source": output_versions_source
+                if output_versions is None
+                else VERSIONS_FROM_CHUNKS,
+                # Group sampling (G > 1): samples 1..G-1 of the same call; absent when G = 1.
+                **(
+                    {"extra_samples": _samples(record.extra_samples)}
+                    if record.extra_samples
+                    else {}
+                ),
+            },
+            use_bin_type=True,
+        )
+        return data
+
+    def recorded_at(self, index: int) -> PriorTurn:
+        """This turn as the next one of its episode may share it, once appended at `index`."""
+        return PriorTurn(
+            index=index,
+            request_json=self.record.request_json,
+            token_ids=self.prompt_ids + self.output_ids,
+        )
+
+
 def encode_turn(
     record: common_pb2.TurnRecord,
     *,
@@ -120,50 +302,15 @@ def encode_turn(
     output_versions: Sequence[int] | None = None,
     output_versions_source: str = VERSIONS_AT_ADMISSION,
 ) -> bytes:
-    """The msgpack turn record of docs/internals.md; JSON fields stay bytes.
-
-    `weight_version` is the version when the turn was admitted; `weight_version_end` the
-    version when it finished (differs only when the trainer changed weights without pausing
-    submission first). `output_versions`, one per output token, is the version each token
-    was sampled under (streamed turns); without it every token carries `weight_version`.
-    """
-    data: bytes = msgpack.packb(
-        {
-            "interaction_id": record.interaction_id,
-            "created_at": record.started_at_unix_s or now,
-            "latency_s": record.latency_s,
-            "ttft_s": record.ttft_s,
-            "upstream_model": record.upstream_model,
-            "upstream_kind": record.upstream_kind,
-            "finish_reason": record.finish_reason,
-            **_request_fields(record.request_json),
-            "assistant_message_json": record.assistant_message_json,
-            "usage_json": record.usage_json or b"{}",
-            "prompt_token_ids": pack_int32(record.prompt_token_ids),
-            "output_token_ids": pack_int32(record.output_token_ids),
-            "output_logprobs": pack_float32(record.output_logprobs),
-            "exact_tokens": record.exact_tokens,
-            "length_mismatch": record.length_mismatch,
-            "weight_version": weight_version,
-            "weight_version_end": weight_version
-            if weight_version_end is None
-            else weight_version_end,
-            # "main", or "side" (X-Turn-Type: heartbeats, memory flushes; left out of training).
-            "turn_type": turn_type,
-            **(
-                {"output_versions": pack_int32(output_versions)}
-                if output_versions is not None
-                else {}
-            ),
-            "output_versions_source": output_versions_source
-            if output_versions is None
-            else VERSIONS_FROM_CHUNKS,
-            # Group sampling (G > 1): samples 1..G-1 of the same call; absent when G = 1.
-            **({"extra_samples": _samples(record.extra_samples)} if record.extra_samples else {}),
-        },
-        use_bin_type=True,
+    """The msgpack turn record of a turn stored whole (nothing shared with an earlier one)."""
+    return TurnEncoder(record).encode(
+        weight_version=weight_version,
+        now=now,
+        weight_version_end=weight_version_end,
+        turn_type=turn_type,
+        output_versions=output_versions,
+        output_versions_source=output_versions_source,
     )
-    return data
 
 
 def _samples(samples: Sequence[common_pb2.TurnSample]) -> list[dict[str, Any]]:
@@ -183,11 +330,44 @@ def _samples(samples: Sequence[common_pb2.TurnSample]) -> list[dict[str, Any]]:
 
 def decode_turn(data: bytes) -> dict[str, Any]:
     """A stored turn record as a dict (JSON and packed fields still bytes; `request_json`
-    decompressed, `request_codec` removed)."""
+    decompressed, `request_codec` removed). A record that shares a prefix with an earlier
+    turn needs that turn: read the episode's records with `decode_turns`."""
     turn: dict[str, Any] = msgpack.unpackb(data, raw=False)
+    if "request_prefix" in turn or "prompt_prefix_ids" in turn:
+        raise ValueError("this turn record shares a prefix with an earlier one: use decode_turns")
     turn["request_json"] = request_json_of(turn)
     turn.pop("request_codec", None)
     return turn
+
+
+def decode_turns(records: Sequence[bytes]) -> list[dict[str, Any]]:
+    """An episode's stored turn records, in order, each whole: prefixes shared with earlier
+    turns (`request_prefix`, `prompt_prefix_ids`: [index, length]) resolved to exact bytes."""
+    turns: list[dict[str, Any]] = []
+    for index, data in enumerate(records):
+        turn: dict[str, Any] = msgpack.unpackb(data, raw=False)
+        request = request_json_of(turn)
+        turn.pop("request_codec", None)
+        shared = turn.pop("request_prefix", None)
+        if shared is not None:
+            source, length = _prefix_source(shared, index)
+            request = turns[source]["request_json"][:length] + request
+        turn["request_json"] = request
+        shared = turn.pop("prompt_prefix_ids", None)
+        if shared is not None:
+            source, length = _prefix_source(shared, index)
+            earlier = turns[source]
+            ids = earlier["prompt_token_ids"] + earlier["output_token_ids"]
+            turn["prompt_token_ids"] = ids[: length * 4] + bytes(turn["prompt_token_ids"])
+        turns.append(turn)
+    return turns
+
+
+def _prefix_source(shared: Any, index: int) -> tuple[int, int]:
+    source, length = int(shared[0]), int(shared[1])
+    if not 0 <= source < index:
+        raise ValueError(f"turn {index} shares a prefix with turn {source}, not an earlier one")
+    return source, length
 
 
 def history_entry(turn: dict[str, Any], reward: float | None) -> bytes:

@@ -135,9 +135,10 @@ def build_upstream_request(
     else:
         body.pop("stream_options", None)
     prepare(body)
-    recorded: dict[str, Any] = {"messages": body["messages"]}
-    if "tools" in body:
-        recorded["tools"] = body["tools"]
+    # Tools first: the next turn's request then extends this one's bytes (the dataproxy stores
+    # the shared prefix of an open episode's requests once).
+    recorded: dict[str, Any] = {"tools": body["tools"]} if "tools" in body else {}
+    recorded["messages"] = body["messages"]
     model = body.get("model")
     return UpstreamRequest(
         body=encode(body),

@@ -25,7 +25,7 @@ from services.dataproxy.__main__ import serving as dataproxy_serving
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
-from services.dataproxy.turns import decode_turn
+from services.dataproxy.turns import decode_turns
 from services.gateway.app import GatewayServer
 from services.router.__main__ import serving as router_serving
 from services.router.settings import RouterSettings
@@ -101,7 +101,7 @@ class DataproxyChain:
         key: Any = await self.redis.hgetall(self.keys.key(digest))
         episode = key[b"episode"].decode()
         raw: Any = await self.redis.lrange(self.keys.turns(key_id_of(digest), episode), 0, -1)
-        return [decode_turn(item) for item in raw]
+        return decode_turns(raw)
 
 
 @contextlib.asynccontextmanager
