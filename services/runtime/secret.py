@@ -9,10 +9,11 @@ from typing import Any, NoReturn
 
 MASK = "***"
 
-# Shapes a secret can be recognised by in free text, whoever held it: session keys by their
-# prefix, any bearer credential by the scheme in front of it.
+# Shapes a secret can be recognised by in free text, whoever held it: session keys and issued
+# admin and trainer keys by their prefix, any bearer credential by the scheme in front of it.
 _SECRET_SHAPES = re.compile(
-    r"(?P<session>sk-sess-)[A-Za-z0-9_\-]{8,}|(?P<bearer>\b[Bb]earer\s+)[^\s'\",;}\]]+"
+    r"(?P<session>sk-(?:sess|admin|trainer)-)[A-Za-z0-9_\-]{8,}"
+    r"|(?P<bearer>\b[Bb]earer\s+)[^\s'\",;}\]]+"
 )
 
 
