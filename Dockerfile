@@ -37,6 +37,7 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 COPY --chmod=0555 deploy/docker/healthcheck.py /opt/rollgate/healthcheck.py
 WORKDIR /tmp
 USER 10001:10001
-EXPOSE 8080 50051 50052 50061 8000
+# Service ports, then their metrics ports (GET /metrics; docs/metrics.md).
+EXPOSE 8080 50051 50052 50061 8000 9080 9051 9052 9061
 ENTRYPOINT ["python", "-m"]
 CMD ["services.gateway", "--host", "0.0.0.0", "--port", "8080"]

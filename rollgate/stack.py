@@ -76,6 +76,8 @@ class ServiceProcess:
     address: str
     log_path: Path
     kind: str
+    # host:port of its GET /metrics ("" for processes without one: the mock LLM).
+    metrics_address: str = ""
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -242,6 +244,10 @@ class Stack:
 
     def _add(self, name: str, kind: str, module: list[str], port: int, **env: str) -> None:
         address = f"{self.config.host}:{port}"
+        metrics_address = ""
+        if kind in SERVICES:
+            metrics_address = f"{self.config.host}:{self._free_port()}"
+            env["ROLLGATE_METRICS_PORT"] = metrics_address.rpartition(":")[2]
         self.services[name] = ServiceProcess(
             name=name,
             argv=[
@@ -257,6 +263,7 @@ class Stack:
             address=address,
             log_path=self.log_dir / f"{name}.log",
             kind=kind,
+            metrics_address=metrics_address,
         )
 
     def start(self) -> Stack:
@@ -368,6 +375,7 @@ class Stack:
             "redis_url": self.redis_url,
             "redis_prefix": self.config.redis_prefix,
             "trainer_address": self.trainer_address,
+            "metrics": self.metrics_urls(),
             "pid": os.getpid(),
         }
         partial = self._state_file.with_suffix(".json.tmp")
@@ -384,6 +392,14 @@ class Stack:
         return Supervisor(
             processes, policy=policy, log_path=self.log_dir / "rollgate-up.log", **options
         )
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Service name → URL of its Prometheus metrics."""
+        return {
+            name: f"http://{svc.metrics_address}/metrics"
+            for name, svc in self.services.items()
+            if svc.metrics_address
+        }
 
     def dead_services(self) -> list[str]:
         """Names of services that have exited."""

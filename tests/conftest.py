@@ -11,6 +11,11 @@ import redis.asyncio as aioredis
 
 from rollgate.redis_server import RedisServer
 
+# Service processes the tests start bind their metrics port anywhere free: the per-service
+# defaults (9051, 9052, …) would collide between test runs sharing a machine. Tests that need
+# a metrics port set it explicitly (the stack gives every process its own).
+os.environ.setdefault("ROLLGATE_METRICS_PORT", "0")
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:

@@ -8,14 +8,20 @@ from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
 
-from protos import dataproxy_pb2_grpc, trainer_pb2_grpc
+from protos import console_pb2_grpc, dataproxy_pb2_grpc, trainer_pb2_grpc
+from services.dataproxy.access_keys import AccessKeyStore
 from services.dataproxy.chat import TurnRunner
+from services.dataproxy.console_servicer import ConsoleServicer
 from services.dataproxy.control import CapacityPolicy, Control, WeightVersionView
 from services.dataproxy.conversations_servicer import (
     add_ConversationsServicer_to_server,
     build_conversations,
 )
+from services.dataproxy.error_log import ErrorLog
+from services.dataproxy.history import HistorySampler
 from services.dataproxy.keys_servicer import add_KeysServicer_to_server, build_keys
+from services.dataproxy.metrics import DataProxyMetrics, global_values
+from services.dataproxy.overview import Overview
 from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
@@ -23,9 +29,16 @@ from services.dataproxy.servicer import DataProxyServicer
 from services.dataproxy.sessions import EpisodePolicy, SessionStore
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.stream_trim import StreamTrimmer
+from services.dataproxy.trainer_auth import TrainerAuth
 from services.dataproxy.trainer_servicer import TrainerServicer, build_control
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.runtime.metrics import (
+    ExporterLease,
+    MetricsServer,
+    RpcMetricsInterceptor,
+    ServiceMetrics,
+)
 from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import service_main
 from services.runtime.tasks import cancel_and_wait
@@ -35,6 +48,7 @@ SERVICE_NAMES = (
     "rollgate.v1.Trainer",
     "rollgate.v1.Conversations",
     "rollgate.v1.Keys",
+    "rollgate.v1.Console",
 )
 REDIS_PING_TIMEOUT_S = 5.0
 REAPER_STOP_S = 5.0
@@ -105,9 +119,26 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         versions = await stack.enter_async_context(WeightVersionView(redis=redis, keys=keys))
         # Trims the trajectories stream below what every consumer group has acked.
         await stack.enter_async_context(StreamTrimmer(redis=redis, keys=keys))
-        control = build_control(redis=redis, keys=keys, settings=settings)
+        metrics = ServiceMetrics("dataproxy")
+        control = build_control(
+            redis=redis, keys=keys, settings=settings, metrics=DataProxyMetrics(metrics.registry)
+        )
         store = build_store(redis=redis, settings=settings)
         trainer = TrainerServicer(redis=redis, keys=keys, settings=settings, control=control)
+        overview = Overview(
+            redis=redis,
+            keys=keys,
+            policy=CapacityPolicy(
+                max_head_offpolicyness=settings.max_head_offpolicyness,
+                batch_size=settings.batch_size,
+            ),
+        )
+        lease = ExporterLease(redis, key=keys.metrics_exporter)
+        metrics.export_globals(lease, global_values(overview))
+        stack.push_async_callback(lease.release)
+        errors = await stack.enter_async_context(ErrorLog(redis=redis, keys=keys))
+        await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
+        await stack.enter_async_context(HistorySampler(redis=redis, keys=keys, overview=overview))
         server = GrpcServer(
             ServerSpec(
                 name="dataproxy",
@@ -115,6 +146,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 port=settings.port,
                 service_names=SERVICE_NAMES,
                 grace_s=settings.grace_s,
+                interceptors=(RpcMetricsInterceptor(metrics.rpc, on_error=errors.record),),
             )
         )
         dataproxy_pb2_grpc.add_DataProxyServicer_to_server(
@@ -129,6 +161,17 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             server.server,
         )
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
+        console_pb2_grpc.add_ConsoleServicer_to_server(
+            ConsoleServicer(
+                overview=overview,
+                auth=TrainerAuth(
+                    admin_key=settings.admin_key,
+                    trainer_key=settings.trainer_key,
+                    lookup=AccessKeyStore(redis=redis, keys=keys).lookup,
+                ),
+            ),
+            server.server,
+        )
         add_ConversationsServicer_to_server(
             build_conversations(redis=redis, prefix=settings.redis_prefix), server.server
         )

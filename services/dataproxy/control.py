@@ -51,6 +51,18 @@ class CapacityPolicy:
         return ofp, self.batch_size
 
 
+class PauseMetrics(Protocol):
+    """Where pauses are counted (the dataproxy's metrics)."""
+
+    def paused(self) -> None:
+        """Submission was paused."""
+        ...
+
+    def resumed(self, paused_s: float) -> None:
+        """Submission resumed after `paused_s` seconds."""
+        ...
+
+
 class Admitted(Protocol):
     """What a turn's start returns once admitted: at least the version it is stamped with."""
 
@@ -124,7 +136,9 @@ class Control:
         turn_timeout_s: float = 600.0,
         pause_wait_s: float = 30.0,
         pause_drain_timeout_s: float = 60.0,
+        metrics: PauseMetrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._redis = redis
         self._keys = keys
         self._scripts = scripts
@@ -186,6 +200,8 @@ class Control:
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
             await self._redis.set(self._keys.paused, repr(time.time()))
         log.info("submission_paused", timeout_s=wait_s)
+        if self._metrics is not None:
+            self._metrics.paused()
         deadline = time.monotonic() + wait_s
         delay = POLL_MIN_S
         while (running := await self.in_flight()) > 0:
@@ -200,8 +216,10 @@ class Control:
     async def resume(self) -> None:
         """Releases waiting turns (they poll the flag)."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            await self._redis.delete(self._keys.paused)
+            since = await self._redis.getdel(self._keys.paused)
         log.info("submission_resumed")
+        if self._metrics is not None and since is not None:
+            self._metrics.resumed(max(0.0, time.time() - float(since)))
 
     # -- capacity ----------------------------------------------------------------------
 

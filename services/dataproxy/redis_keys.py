@@ -87,8 +87,36 @@ class RedisKeys:
 
     @property
     def stats(self) -> str:
-        """Counters: open_episodes, published, empty_episodes, consumed, interactions, joined."""
+        """Counters: open_episodes, published, empty_episodes, consumed, interactions, joined,
+        output_tokens, exact_interactions, length_mismatches, reward_micros (final rewards
+        summed, in millionths), errors; and
+        stream_ms (the ms part of the last numbered stream id)."""
         return f"{self.prefix}stats"
+
+    @property
+    def recent_trajectories(self) -> str:
+        """List, newest first: `<stream id> <summary JSON>` of the last published trajectories."""
+        return f"{self.prefix}recent"
+
+    @property
+    def history(self) -> str:
+        """Sorted set: unix time → JSON snapshot of the counters, one per history interval."""
+        return f"{self.prefix}history"
+
+    @property
+    def history_slot(self) -> str:
+        """String: the last history interval written (so one replica writes each)."""
+        return f"{self.prefix}history:slot"
+
+    @property
+    def errors(self) -> str:
+        """List, newest first: JSON of the last failed RPCs (the console's error panel)."""
+        return f"{self.prefix}errors"
+
+    @property
+    def metrics_exporter(self) -> str:
+        """String: which dataproxy replica exports the global metrics (a lease)."""
+        return f"{self.prefix}metrics:exporter:dataproxy"
 
     @property
     def weight_version(self) -> str:

@@ -22,6 +22,7 @@ from services.dataproxy.control import CapacityPolicy
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
 from services.dataproxy.revocation import SessionKeyRevoker
 from services.dataproxy.scripts import Scripts
+from services.dataproxy.summaries import RECENT_KEPT, trajectory_summary
 from services.dataproxy.trajectory import (
     CODEC,
     EpisodeInfo,
@@ -524,9 +525,11 @@ class SessionStore:
             hold_until = 0.0
             if self._should_hold(state, ep, turns, rewards):
                 hold_until = now + self._policy.late_reward_timeout_s
-            data, stats = b"", {"interactions": 0, "joined": 0}
+            data, stats, summary = b"", {"interactions": 0, "joined": 0}, b""
             if turns and state in {"active", HELD} and not hold_until:
-                data, stats = self._encode(key, ep, turns, rewards, end_reason=reason, now=now)
+                data, stats, summary = self._encode(
+                    key, ep, turns, rewards, end_reason=reason, now=now
+                )
             group_id = _text(ep.get(b"group_id"))
             trajectory_id = _text(ep.get(b"trajectory_id"))
             result = await self._scripts.publish.run(
@@ -547,6 +550,7 @@ class SessionStore:
                     if key.mode == HEADER_MODE
                     else self._keys.stats,
                     self._keys.episode_turns,
+                    self._keys.recent_trajectories,
                 ],
                 [
                     key.episode,
@@ -565,6 +569,8 @@ class SessionStore:
                     group_id,
                     int(ep.get(b"group_size") or 0),
                     key.mode,
+                    summary,
+                    RECENT_KEPT,
                 ],
             )
             status = _text(result[0])
@@ -615,7 +621,7 @@ class SessionStore:
         *,
         end_reason: str,
         now: float,
-    ) -> tuple[bytes, dict[str, int]]:
+    ) -> tuple[bytes, dict[str, int], bytes]:
         ended_at = float(ep[b"ended_at"]) if ep.get(b"ended_at") else now
         info = EpisodeInfo(
             trajectory_id=_text(ep.get(b"trajectory_id")),
@@ -636,7 +642,7 @@ class SessionStore:
             "interactions": int(stats.get("interactions", len(turns))),
             "joined": int(stats.get("joined", 0)),
         }
-        return encode_trajectory(trajectory), counts
+        return encode_trajectory(trajectory), counts, trajectory_summary(trajectory)
 
     # -- reaper entry points ------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str, redis_url
 
@@ -43,6 +44,8 @@ class DataProxySettings:
     log_level: str = "info"
     # None: JSON unless stderr is a terminal.
     log_json: bool | None = None
+    # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
+    metrics: MetricsEndpoint = NO_METRICS_PORT
 
     @property
     def refresh_lock_s(self) -> float:
@@ -70,8 +73,10 @@ class DataProxySettings:
             raise ValueError("ROLLGATE_MAX_HEAD_OFFPOLICYNESS must be 0 or more")
         if batch_size < 1:
             raise ValueError(f"ROLLGATE_BATCH_SIZE={batch_size} must be at least 1")
+        bind_host = host or env_str(environ, "ROLLGATE_DATAPROXY_HOST", "127.0.0.1")
         return cls(
-            host=host or env_str(environ, "ROLLGATE_DATAPROXY_HOST", "127.0.0.1"),
+            host=bind_host,
+            metrics=metrics_endpoint(environ, service="dataproxy", host=bind_host),
             port=port if port is not None else 50052,
             redis_url=redis_url(environ),
             redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from protos import trainer_pb2, trainer_pb2_grpc
 from services.dataproxy.access_keys import AccessKeyStore
-from services.dataproxy.control import CapacityPolicy, Control, ControlSnapshot
+from services.dataproxy.control import CapacityPolicy, Control, ControlSnapshot, PauseMetrics
 from services.dataproxy.groups import GroupDirectory, GroupTag, complete_groups, tagged
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
@@ -146,7 +146,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         await self._auth.check(context.invocation_metadata())
 
 
-def build_control(*, redis: Redis, keys: RedisKeys, settings: DataProxySettings) -> Control:
+def build_control(
+    *,
+    redis: Redis,
+    keys: RedisKeys,
+    settings: DataProxySettings,
+    metrics: PauseMetrics | None = None,
+) -> Control:
     """The control layer with the settings' capacity policy and pause timings."""
     return Control(
         redis=redis,
@@ -159,6 +165,7 @@ def build_control(*, redis: Redis, keys: RedisKeys, settings: DataProxySettings)
         turn_timeout_s=settings.turn_timeout_s,
         pause_wait_s=settings.pause_wait_s,
         pause_drain_timeout_s=settings.pause_drain_timeout_s,
+        metrics=metrics,
     )
 
 

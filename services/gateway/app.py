@@ -12,12 +12,14 @@ from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
 from services.runtime.logs import get_logger
+from services.runtime.metrics import MetricsServer, ServiceMetrics
 
 log = get_logger(__name__)
 
 
-def build_app(settings: GatewaySettings) -> web.Application:
-    """The application: routes, middlewares, and the gRPC channels as a cleanup context."""
+def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) -> web.Application:
+    """The application: routes, middlewares, and the gRPC channels as a cleanup context.
+    Its metrics go into `metrics`'s registry (served on the metrics port, not here)."""
     # Outermost first: metrics see the status the error middleware produced.
     app = web.Application(
         middlewares=[health.metrics_middleware, error_middleware],
@@ -27,7 +29,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app[chat.ROUTE_CACHE] = RouteCache(
         ttl_s=settings.route_cache_ttl_s, max_entries=settings.route_cache_size
     )
-    app[health.METRICS] = health.Metrics()
+    app[health.METRICS] = health.Metrics(metrics.registry if metrics is not None else None)
     app[models.STARTED_AT] = int(time.time())
     app.cleanup_ctx.append(backends_ctx)
     app.router.add_post("/rl/start_session", session_api.start_session)
@@ -43,7 +45,6 @@ def build_app(settings: GatewaySettings) -> web.Application:
     ws.mount(app, ws.config_from(settings))
     app.router.add_get("/health", health.health, allow_head=False)
     app.router.add_get("/ready", health.ready, allow_head=False)
-    app.router.add_get("/metrics", health.metrics, allow_head=False)
     return app
 
 
@@ -52,17 +53,27 @@ class GatewayServer:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
+        self.metrics = ServiceMetrics("gateway")
         # handler_cancellation: a client that disconnects cancels its handler, and so its RPC.
-        self.runner = web.AppRunner(build_app(settings), access_log=None, handler_cancellation=True)
+        self.runner = web.AppRunner(
+            build_app(settings, self.metrics), access_log=None, handler_cancellation=True
+        )
+        self.metrics_server = MetricsServer(self.metrics, settings.metrics)
         self.port = 0
 
     async def __aenter__(self) -> GatewayServer:
-        await self.runner.setup()
+        await self.metrics_server.__aenter__()
+        try:
+            await self.runner.setup()
+        except BaseException:
+            await self.metrics_server.__aexit__(None, None, None)
+            raise
         site = web.TCPSite(self.runner, self.settings.host, self.settings.port)
         try:
             await site.start()
         except BaseException:
             await self.runner.cleanup()
+            await self.metrics_server.__aexit__(None, None, None)
             raise
         self.port = self.runner.addresses[0][1]
         log.info("service_started", name="gateway", host=self.settings.host, port=self.port)
@@ -70,4 +81,5 @@ class GatewayServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.runner.cleanup()
+        await self.metrics_server.__aexit__(None, None, None)
         log.info("service_stopped", name="gateway")

@@ -1,4 +1,5 @@
-"""Liveness, readiness and Prometheus metrics: /health, /ready, /metrics."""
+"""Liveness and readiness on the public port (/health, /ready), and the gateway's request
+metrics, which the metrics port serves (services/runtime/metrics.py), never the public one."""
 
 from __future__ import annotations
 
@@ -10,22 +11,22 @@ import grpc
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from grpc_health.v1 import health_pb2
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.exposition import generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from protos import router_pb2
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
+from services.runtime.metrics import DURATION_BUCKETS
 
 # The status recorded for a request whose client went away before it finished.
 CLIENT_CLOSED_STATUS = 499
 
 
 class Metrics:
-    """The gateway's Prometheus metrics, in a registry of their own (one per app)."""
+    """The gateway's HTTP metrics, in the process's registry (a fresh one when not given)."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "rollgate_gateway_requests",
             "HTTP requests by route, method and status.",
@@ -36,6 +37,7 @@ class Metrics:
             "rollgate_gateway_request_duration_seconds",
             "Time to the end of the response (streams included), by route and status.",
             ["route", "method", "status"],
+            buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
 
@@ -124,11 +126,3 @@ async def ready(request: web.Request) -> web.Response:
         body = {"status": "not_ready", "missing": list(problems), "detail": problems}
         return json_response(body, status=503)
     return json_response({"status": "ready", "live_workers": live})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus text format."""
-    body = generate_latest(request.app[METRICS].registry)
-    response = web.Response(body=body)
-    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-    return response

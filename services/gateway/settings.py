@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.ws_protocol import DEFAULT_SYSTEM_PROMPT
+from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str
 
@@ -42,6 +43,8 @@ class GatewaySettings:
     grace_s: float = 10.0
     log_level: str = "info"
     log_json: bool | None = None
+    # Where GET /metrics is served (port None: nowhere), never the public port; docs/metrics.md.
+    metrics: MetricsEndpoint = NO_METRICS_PORT
     # The WebSocket bridge (`/ws`, docs/protocols.md): the model its runs use ("": the first
     # model a live worker serves), their system prompt, the tick interval, the frame and
     # buffer limits announced in hello-ok, and the deadline of one run.
@@ -73,9 +76,11 @@ class GatewaySettings:
         refresh_timeout_s = env_float(environ, "ROLLGATE_REFRESH_TIMEOUT_S", 120.0)
         if refresh_timeout_s <= 0:
             raise ValueError(f"ROLLGATE_REFRESH_TIMEOUT_S={refresh_timeout_s} must be positive")
+        bind_host = host or env_str(environ, "ROLLGATE_GATEWAY_HOST", "127.0.0.1")
         return cls(
             admin_key=Secret(admin_key),
-            host=host or env_str(environ, "ROLLGATE_GATEWAY_HOST", "127.0.0.1"),
+            host=bind_host,
+            metrics=metrics_endpoint(environ, service="gateway", host=bind_host),
             port=port if port is not None else 8080,
             router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
             dataproxy_addr=env_str(environ, "ROLLGATE_DATAPROXY_ADDR", "127.0.0.1:50052"),

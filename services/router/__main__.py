@@ -7,10 +7,17 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from protos import router_pb2_grpc
+from services.router.metrics import registry_values
 from services.router.registry import Registry, RouterKeys
 from services.router.servicer import RouterServicer
 from services.router.settings import RouterSettings
 from services.runtime.grpc_server import GrpcServer, ServerSpec
+from services.runtime.metrics import (
+    ExporterLease,
+    MetricsServer,
+    RpcMetricsInterceptor,
+    ServiceMetrics,
+)
 from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import service_main
 
@@ -35,12 +42,15 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
                 f"the router cannot reach Redis ({type(err).__name__}: {err}); "
                 "check ROLLGATE_REDIS_URL"
             ) from err
+        keys = RouterKeys(settings.redis_prefix)
         registry = Registry(
-            redis,
-            keys=RouterKeys(settings.redis_prefix),
-            lease_s=settings.lease_s,
-            affinity_ttl_s=settings.affinity_ttl_s,
+            redis, keys=keys, lease_s=settings.lease_s, affinity_ttl_s=settings.affinity_ttl_s
         )
+        metrics = ServiceMetrics("router")
+        lease = ExporterLease(redis, key=keys.metrics_exporter)
+        metrics.export_globals(lease, registry_values(registry))
+        stack.push_async_callback(lease.release)
+        await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
         server = GrpcServer(
             ServerSpec(
                 name="router",
@@ -48,6 +58,7 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
                 port=settings.port,
                 service_names=(SERVICE_NAME,),
                 grace_s=settings.grace_s,
+                interceptors=(RpcMetricsInterceptor(metrics.rpc),),
             )
         )
         router_pb2_grpc.add_RouterServicer_to_server(

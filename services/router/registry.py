@@ -119,6 +119,11 @@ class RouterKeys:
         """Sorted set of the worker's live affinities: `{session}:{model}` → last use (ms)."""
         return f"{self.prefix}workers:sessions:{worker_id}"
 
+    @property
+    def metrics_exporter(self) -> str:
+        """String: which router replica exports the global metrics (a lease; docs/metrics.md)."""
+        return f"{self.prefix}metrics:exporter:router"
+
     def affinity(self, session: str, model: str) -> str:
         """String holding the worker id of (session, model), expiring when unused."""
         return f"{self.prefix}aff:{session}:{model}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.settings import DEFAULT_REDIS_URL, env_bool, env_float, env_str, redis_url
 
 # An affinity unused this long is forgotten; the next turn of that session is placed afresh.
@@ -30,6 +31,8 @@ class RouterSettings:
     log_level: str = "info"
     # None: JSON unless stderr is a terminal.
     log_json: bool | None = None
+    # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
+    metrics: MetricsEndpoint = NO_METRICS_PORT
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.lease_s <= self.heartbeat_interval_s:
@@ -45,8 +48,10 @@ class RouterSettings:
     ) -> RouterSettings:
         """Settings from the environment (and command-line host/port)."""
         raw_json = env_str(environ, "ROLLGATE_LOG_JSON", "auto").lower()
+        bind_host = host or env_str(environ, "ROLLGATE_ROUTER_HOST", "127.0.0.1")
         return cls(
-            host=host or env_str(environ, "ROLLGATE_ROUTER_HOST", "127.0.0.1"),
+            host=bind_host,
+            metrics=metrics_endpoint(environ, service="router", host=bind_host),
             port=port if port is not None else 50051,
             redis_url=redis_url(environ),
             redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),

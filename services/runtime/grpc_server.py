@@ -166,6 +166,8 @@ class ServerSpec:
     # Service names (full proto names) announced on the health service.
     service_names: Sequence[str]
     grace_s: float = 10.0
+    # Outermost first (the metrics interceptor comes first: it sees every final status).
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
 
 
 class GrpcServer:
@@ -174,7 +176,8 @@ class GrpcServer:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self.server = grpc.aio.server(
-            interceptors=[_ServiceInterceptor(spec.name)], options=SERVER_OPTIONS
+            interceptors=[*spec.interceptors, _ServiceInterceptor(spec.name)],
+            options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -48,6 +48,11 @@ def service_main(
     parser.add_argument(
         "--port", type=int, default=None, help=f"port (default {default_port}; 0: any)"
     )
+    parser.add_argument(
+        "--metrics-port",
+        default=None,
+        help="port of GET /metrics (default $ROLLGATE_METRICS_PORT, else per service; 0: any; off)",
+    )
     parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
     if add_arguments is not None:
         add_arguments(parser)
@@ -85,4 +90,8 @@ def _environ(
 ) -> Mapping[str, str]:
     """The environment with the configuration file's values under it."""
     upstream = getattr(args, "upstream", None)
-    return merged_environ(environ, args.config, args.overrides, service, upstream=upstream)
+    merged = merged_environ(environ, args.config, args.overrides, service, upstream=upstream)
+    if args.metrics_port is not None:
+        # The flag wins over the environment, as --host and --port do.
+        merged = {**merged, "ROLLGATE_METRICS_PORT": str(args.metrics_port)}
+    return merged

@@ -12,8 +12,10 @@ from protos import router_pb2_grpc, worker_pb2_grpc
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
+from services.runtime.metrics import MetricsServer, RpcMetricsInterceptor, ServiceMetrics
 from services.runtime.service_main import service_main
 from services.worker.adapters import adapter_for
+from services.worker.metrics import worker_metrics
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
@@ -104,6 +106,9 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         )
         runner = build_runner(upstream, settings)
         models = await discover_models(upstream, settings)
+        metrics = ServiceMetrics("worker")
+        worker_metrics(metrics, runner)
+        await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
         server = GrpcServer(
             ServerSpec(
                 name="worker",
@@ -111,6 +116,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
                 port=settings.port,
                 service_names=(SERVICE_NAME,),
                 grace_s=settings.grace_s,
+                interceptors=(RpcMetricsInterceptor(metrics.rpc),),
             )
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(

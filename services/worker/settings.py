@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.runtime.config import normalize_base_url as config_base_url
+from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_float, env_int, env_str
 
@@ -107,6 +108,8 @@ class WorkerSettings:
     log_level: str = "info"
     # None: JSON unless stderr is a terminal.
     log_json: bool | None = None
+    # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
+    metrics: MetricsEndpoint = NO_METRICS_PORT
 
     @classmethod
     def from_env(
@@ -139,8 +142,10 @@ class WorkerSettings:
                 "the model's tokenizer.json): the worker sends input_ids"
             )
         n_samples = _optional_int(environ, "ROLLGATE_N_SAMPLES") or 1
+        bind_host = host or env_str(environ, "ROLLGATE_WORKER_HOST", "127.0.0.1")
         return cls(
-            host=host or env_str(environ, "ROLLGATE_WORKER_HOST", "127.0.0.1"),
+            host=bind_host,
+            metrics=metrics_endpoint(environ, service="worker", host=bind_host),
             port=port if port is not None else 50061,
             router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
             worker_id=env_str(environ, "ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),

@@ -93,6 +93,15 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
         with urllib.request.urlopen(request, timeout=30) as resp:
             assert json.loads(resp.read())["api_key"].startswith("sk-sess-")
         trainer_port = int(state["trainer_address"].rsplit(":", 1)[1])
+        # Where the metrics are: printed, in stack.json, and each one answers.
+        assert set(state["metrics"]) == {"router", "dataproxy", "worker-1", "worker-2", "gateway"}
+        assert f"{port}/metrics" not in banner
+        for name, url in state["metrics"].items():
+            assert url in banner, name
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                text = resp.read().decode()
+            assert f'rollgate_build_info{{service="{name.split("-")[0]}"' in text, name
+            assert admin_key not in text
     finally:
         # Ctrl-C under `make run` reaches `up` twice (make forwards it); the second one lands
         # while the services are being stopped, and must not cut that short.

@@ -12,6 +12,7 @@ import pytest
 from services.gateway.app import GatewayServer
 from services.gateway.settings import GatewaySettings
 from services.runtime.keys import new_session_key
+from services.runtime.metrics import MetricsEndpoint
 from services.runtime.secret import Secret
 
 ADMIN_KEY = "rg-admin-test-key-0123456789"
@@ -49,6 +50,7 @@ def gateway_settings(
         request_timeout_s=30.0,
         ready_timeout_s=1.0,
         grace_s=1.0,
+        metrics=MetricsEndpoint(port=0),
     )
 
 

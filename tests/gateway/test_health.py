@@ -1,4 +1,4 @@
-"""Liveness, readiness (bounded by deadlines) and metrics."""
+"""Liveness, readiness (bounded by deadlines) and metrics (on the metrics port only)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,18 @@ async def test_metrics_count_requests_by_route_and_status(
         pass
     async with gateway.http.get(gateway.url + "/no/such/path"):
         pass
+    # Not on the public port, where agents connect.
     async with gateway.http.get(gateway.url + "/metrics") as resp:
+        assert resp.status == 404
+    port = gateway.server.metrics_server.port
+    assert port is not None and port != gateway.server.port
+    async with gateway.http.get(f"http://127.0.0.1:{port}/metrics") as resp:
         assert resp.status == 200
         assert resp.content_type == "text/plain"
         text = await resp.text()
     assert 'rollgate_gateway_requests_total{method="GET",route="/health",status="200"} 1.0' in text
     assert 'route="unmatched",status="404"' in text
+    assert (
+        'rollgate_gateway_requests_total{method="GET",route="unmatched",status="404"} 2.0' in text
+    )
     assert "rollgate_gateway_request_duration_seconds_bucket" in text

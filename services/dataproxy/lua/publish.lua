@@ -5,7 +5,8 @@
 -- KEYS[6] trajectories stream, KEYS[7] stats hash, KEYS[8] idle zset, KEYS[9] awaiting zset,
 -- KEYS[10] trajectory's group record, KEYS[11] group hash (unused without a group),
 -- KEYS[12] the session pointer hash (header mode; unused otherwise), KEYS[13] running-turns
--- hash (the episode's count is dropped: its turns still running find it ended)
+-- hash (the episode's count is dropped: its turns still running find it ended),
+-- KEYS[14] the list of recent trajectory summaries (the console's)
 -- ARGV[1] episode, ARGV[2] epoch, ARGV[3] expected turn count, ARGV[4] trajectory_id,
 -- ARGV[5] codec, ARGV[6] data ('' when the caller wants a hold), ARGV[7] now,
 -- ARGV[8] end_reason, ARGV[9] ttl_s of ended records, ARGV[10] zset member,
@@ -13,7 +14,8 @@
 -- ARGV[14] group_id, ARGV[15] group_size, ARGV[16] mode ('header': the episode hash says
 -- whether it is active, and ending it clears the session pointer; else the key hash, which
 -- also remembers this last publication: last_episode, last_status, last_trajectory_id,
--- last_stream_id, last_turns, last_ended_at, so a retried end_session finds it)
+-- last_stream_id, last_turns, last_ended_at, so a retried end_session finds it),
+-- ARGV[17] the trajectory's summary, JSON ('' or absent: none), ARGV[18] summaries kept
 -- Returns {status, stream_id, trajectory_id, turns}: published | empty (both also for a
 -- retry) | held | missing | stale (not the key's active episode) | retry (re-read: a turn or
 -- a reward landed since the caller read the episode).
@@ -91,11 +93,40 @@ if turns == 0 then
 else
   status = 'published'
   trajectory_id = ARGV[4]
-  stream_id = redis.call('XADD', KEYS[6], '*', 'trajectory_id', ARGV[4], 'codec', ARGV[5],
-    'data', ARGV[6])
-  redis.call('HINCRBY', KEYS[7], 'published', 1)
+  -- Entry ids are <ms>-<n>, n = the trajectory's number (`published` after this one), so a
+  -- consumer group's backlog is a difference of two ids (docs/metrics.md); ms never goes
+  -- backwards. The first numbered id starts after whatever the stream already holds.
+  local n = redis.call('HINCRBY', KEYS[7], 'published', 1)
+  local ms = math.floor(tonumber(ARGV[7]) * 1000)
+  local last_ms = tonumber(redis.call('HGET', KEYS[7], 'stream_ms') or '-1')
+  if last_ms < 0 then
+    local top = redis.call('XREVRANGE', KEYS[6], '+', '-', 'COUNT', 1)[1]
+    if top then last_ms = tonumber(string.match(top[1], '^(%d+)-')) + 1 end
+  end
+  if ms < last_ms then ms = last_ms end
+  local added = redis.pcall('XADD', KEYS[6], string.format('%d-%d', ms, n),
+    'trajectory_id', ARGV[4], 'codec', ARGV[5], 'data', ARGV[6])
+  if type(added) == 'table' and added.err then
+    -- Someone else wrote a later id: the entry still goes on, unnumbered.
+    added = redis.call('XADD', KEYS[6], '*', 'trajectory_id', ARGV[4], 'codec', ARGV[5],
+      'data', ARGV[6])
+  end
+  stream_id = added
+  redis.call('HSET', KEYS[7], 'stream_ms', ms)
   redis.call('HINCRBY', KEYS[7], 'interactions', tonumber(ARGV[11]))
   redis.call('HINCRBY', KEYS[7], 'joined', tonumber(ARGV[12]))
+  -- The console's summary of the trajectory (its counters go into the stats hash too).
+  if ARGV[17] ~= nil and ARGV[17] ~= '' then
+    local summary = cjson.decode(ARGV[17])
+    redis.call('HINCRBY', KEYS[7], 'output_tokens', summary['output_tokens'])
+    redis.call('HINCRBY', KEYS[7], 'exact_interactions', summary['exact_interactions'])
+    redis.call('HINCRBY', KEYS[7], 'length_mismatches', summary['length_mismatches'])
+    -- Integers only in the stats hash: rewards are summed in millionths.
+    redis.call('HINCRBY', KEYS[7], 'reward_micros',
+      string.format('%d', math.floor(summary['final_reward'] * 1000000 + 0.5)))
+    redis.call('LPUSH', KEYS[14], stream_id .. ' ' .. ARGV[17])
+    redis.call('LTRIM', KEYS[14], 0, tonumber(ARGV[18]) - 1)
+  end
 end
 -- (an episode bound before this counter existed must not drive it below zero)
 if tonumber(redis.call('HGET', KEYS[7], 'open_episodes') or '0') > 0 then

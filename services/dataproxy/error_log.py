@@ -1,0 +1,96 @@
+"""The console's error list: failed RPCs of every replica, newest first, in Redis (`P errors`).
+
+Recording never blocks an RPC: events go through a small queue that a background task writes
+out; when Redis is slow the queue fills and further events are only counted, not stored."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import TracebackType
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.dataproxy.redis_keys import RedisKeys
+from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
+
+log = get_logger(__name__)
+
+ERRORS_KEPT = 200
+QUEUE_SIZE = 256
+# Messages are client-facing texts (no secrets by construction), bounded so one huge value
+# never fills the list.
+MESSAGE_CHARS = 300
+WRITE_TIMEOUT_S = 5.0
+# Codes that are not failures of the system: a client that went away.
+IGNORED_CODES = frozenset({"OK", "CANCELLED"})
+
+
+class ErrorLog:
+    """`async with ErrorLog(...)`: `record()` queues an event; a task writes it to Redis."""
+
+    def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
+
+    def record(self, method: str, code: str, message: str) -> None:
+        """Queues one failed RPC (`/pkg.Service/Method`, status code name, details)."""
+        if code in IGNORED_CODES:
+            return
+        event = {
+            "t": time.time(),
+            "method": method.rpartition("/")[2],
+            "code": code,
+            "message": message[:MESSAGE_CHARS],
+        }
+        try:
+            self._queue.put_nowait(orjson.dumps(event))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def _write(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and len(batch) < QUEUE_SIZE:
+                batch.append(self._queue.get_nowait())
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    pipe = self._redis.pipeline(transaction=False)
+                    pipe.lpush(self._keys.errors, *batch)
+                    pipe.ltrim(self._keys.errors, 0, ERRORS_KEPT - 1)
+                    pipe.hincrby(self._keys.stats, "errors", len(batch))
+                    await pipe.execute()
+            except (RedisError, TimeoutError, OSError) as err:
+                self.dropped += len(batch)
+                log.warning("error_log_write_failed", error=type(err).__name__, events=len(batch))
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def flush(self, timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        """Waits until every queued event was written (or given up on)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._queue.join()
+
+    async def __aenter__(self) -> ErrorLog:
+        self._task = asyncio.create_task(self._write(), name="error-log")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.flush(timeout_s=1.0)
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None

@@ -1,0 +1,201 @@
+"""Metrics after a scripted workload on real processes: every count must match exactly what
+the script did, global values come from exactly one exporter, and no key is in any metric."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollgate.stack import Stack
+from rollgate.trainer_client import TrainerClient
+from tests.end_to_end.test_walkthrough import chat_body, request
+from tests.harness.processes import log_level_env, stack_config
+
+SESSIONS = 4
+GROUP = "trainer-a"
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+@pytest.fixture(scope="module")
+def metrics_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    config = stack_config(
+        redis_url,
+        Path(tmp_path_factory.mktemp("metrics")),
+        prefix="rgmetrics",
+        workers=2,
+        extra_env=log_level_env(),
+    )
+    with Stack(config) as running:
+        yield running
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of one /metrics page, by sample name."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    samples: Samples = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name].append((dict(sample.labels), sample.value))
+    samples["__text__"] = [({"text": text}, 0.0)]
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels` (0 when none)."""
+    return sum(v for got, v in samples.get(name, []) if labels.items() <= got.items())
+
+
+def total(pages: list[Samples], name: str, **labels: str) -> float:
+    """`value` summed over replicas: what a Prometheus sum() shows."""
+    return sum(value(page, name, **labels) for page in pages)
+
+
+def run_workload(stack: Stack) -> dict[str, Any]:
+    """Sessions with 1..SESSIONS turns (streamed and not), rewards, ends, and bad keys."""
+    admin = stack.config.admin_key
+    keys, streamed, unary = [], 0, 0
+    for i in range(SESSIONS):
+        status, _, raw = request(stack, "POST", "/rl/start_session", {"task_id": "m"}, admin)
+        assert status == 200
+        key = json.loads(raw)["api_key"]
+        keys.append(key)
+        for turn in range(i + 1):
+            stream = turn % 2 == 0
+            status, _, raw = request(
+                stack, "POST", "/v1/chat/completions", chat_body(f"q{turn}", stream=stream), key
+            )
+            assert status == 200, raw
+            streamed, unary = streamed + stream, unary + (not stream)
+        assert request(stack, "POST", "/rl/set_reward", {"reward": i / 2}, key)[0] == 200
+        assert request(stack, "POST", "/rl/end_session", {}, key)[0] == 200
+    bad = "sk-sess-" + "x" * 43
+    for _ in range(2):
+        status, _, _ = request(stack, "POST", "/v1/chat/completions", chat_body("q"), bad)
+        assert status == 401
+    return {"keys": keys, "streamed": streamed, "unary": unary}
+
+
+async def train(stack: Stack) -> None:
+    """Pulls 3 trajectories, acks 2, moves the weight version to 2, pauses and resumes."""
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as trainer:
+        pulled = [t.stream_id async for t in trainer.pull(GROUP, "c1", max_count=3)]
+        assert len(pulled) == 3
+        assert await trainer.ack(GROUP, pulled[:2]) == 2
+        await trainer.set_weight_version(2)
+        await trainer.pause_submission(timeout_s=2)
+        await trainer.resume_submission()
+
+
+def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None:
+    stack = metrics_stack
+    done = run_workload(stack)
+    asyncio.run(train(stack))
+    urls = stack.metrics_urls()
+    assert set(urls) == {"router", "dataproxy", "worker-1", "worker-2", "gateway"}
+    pages = {name: scrape(url) for name, url in urls.items()}
+    turns = done["streamed"] + done["unary"]
+    assert turns == SESSIONS * (SESSIONS + 1) // 2
+
+    gateway = pages["gateway"]
+
+    def requests(route: str, status: str) -> float:
+        return value(gateway, "rollgate_gateway_requests_total", route=route, status=status)
+
+    assert requests("/rl/start_session", "200") == SESSIONS
+    assert requests("/v1/chat/completions", "200") == turns
+    assert requests("/v1/chat/completions", "401") == 2
+    assert requests("/rl/set_reward", "200") == SESSIONS
+    assert requests("/rl/end_session", "200") == SESSIONS
+    assert (
+        value(
+            gateway, "rollgate_gateway_request_duration_seconds_count", route="/v1/chat/completions"
+        )
+        == turns + 2
+    )
+
+    dataproxy = [pages["dataproxy"]]
+    handled = "rollgate_grpc_server_handled_total"
+    dp = "rollgate.v1.DataProxy"
+    assert total(dataproxy, handled, grpc_service=dp, grpc_method="StartSession") == SESSIONS
+    assert (
+        total(dataproxy, handled, grpc_service=dp, grpc_method="Chat", grpc_code="OK")
+        == (done["streamed"])
+    )
+    assert (
+        total(dataproxy, handled, grpc_service=dp, grpc_method="Complete", grpc_code="OK")
+        == done["unary"]
+    )
+    # The unknown key is refused by the dataproxy: counted by its code, and in the error list.
+    assert total(dataproxy, handled, grpc_service=dp, grpc_code="UNAUTHENTICATED") == 2
+    trainer = "rollgate.v1.Trainer"
+    assert total(dataproxy, handled, grpc_service=trainer, grpc_method="Ack", grpc_code="OK") == 1
+
+    workers = [pages["worker-1"], pages["worker-2"]]
+    wk = "rollgate.v1.Worker"
+    assert total(workers, handled, grpc_service=wk, grpc_method="Generate") == done["streamed"]
+    assert total(workers, handled, grpc_service=wk, grpc_method="Complete") == done["unary"]
+    assert total(workers, "rollgate_worker_turns_in_flight") == 0
+
+    # Global values: one exporter for the dataproxies, one for the routers.
+    assert total(dataproxy, "rollgate_metrics_global_exporter") == 1
+    g = pages["dataproxy"]
+    assert value(g, "rollgate_trajectories_published_total") == SESSIONS
+    assert value(g, "rollgate_trajectories_acked_total") == 2
+    assert value(g, "rollgate_interactions_published_total") == turns
+    assert value(g, "rollgate_episodes_open") == 0
+    assert value(g, "rollgate_stream_backlog_entries", group=GROUP) == SESSIONS - 3
+    assert value(g, "rollgate_stream_pending_entries", group=GROUP) == 1
+    assert value(g, "rollgate_stream_consumers", group=GROUP) == 1
+    assert value(g, "rollgate_weight_version") == 2
+    assert value(g, "rollgate_submission_paused") == 0
+    assert value(g, "rollgate_turns_in_flight") == 0
+    assert value(g, "rollgate_final_reward_sum_total") == sum(i / 2 for i in range(SESSIONS))
+    assert value(g, "rollgate_dataproxy_pauses_total") == 1
+    assert value(g, "rollgate_dataproxy_pause_duration_seconds_count") == 1
+    # Every turn of the mock (kind vllm) has the engine's token ids.
+    assert value(g, "rollgate_interactions_exact_tokens_total") == turns
+    assert value(g, "rollgate_exact_token_ratio") == 1.0
+    assert value(g, "rollgate_interactions_length_mismatch_total") == 0
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        prefix = stack.config.redis_prefix
+        import msgpack  # type: ignore[import-untyped]
+
+        tokens = sum(
+            len(i["output_token_ids"]) // 4
+            for _, fields in client.xrange(prefix + "trajectories")
+            for i in msgpack.unpackb(fields[b"data"])["interactions"]
+        )
+    finally:
+        client.close()
+    assert value(g, "rollgate_output_tokens_published_total") == tokens > 0
+
+    router = pages["router"]
+    assert value(router, "rollgate_metrics_global_exporter") == 1
+    assert value(router, "rollgate_workers", state="live") == 2
+    assert {labels["worker"] for labels, _ in router["rollgate_worker_live"]} == {
+        "worker-1",
+        "worker-2",
+    }
+
+    # Build info on each, and no key anywhere.
+    for name, page in pages.items():
+        kind = name.split("-")[0]
+        assert value(page, "rollgate_build_info", service=kind) == 1, name
+        text = page["__text__"][0][0]["text"]
+        for secret in [stack.config.admin_key, *done["keys"]]:
+            assert secret not in text, name
+    # The public gateway port has no metrics.
+    assert request(stack, "GET", "/metrics")[0] == 404
