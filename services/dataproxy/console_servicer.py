@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
-from redis.exceptions import RedisError
 
 from protos import console_pb2, console_pb2_grpc
 from services.dataproxy.overview import Counters, GroupState, Overview, SessionState
 from services.dataproxy.trainer_auth import TrainerAuth
-from services.runtime.errors import NotFound, RollgateError, Unavailable, abort_with
+from services.runtime.errors import NotFound
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -93,21 +92,9 @@ class ConsoleServicer(console_pb2_grpc.ConsoleServicer):
 
 @contextlib.asynccontextmanager
 async def _guarded(context: Context, auth: TrainerAuth) -> AsyncIterator[None]:
-    """The admin (or trainer) key first; rollgate errors as they are; Redis as UNAVAILABLE."""
-    try:
-        auth.check(context.invocation_metadata())
-        yield
-    except RollgateError as err:
-        await abort_with(context, err)
-    except (RedisError, TimeoutError) as err:
-        await abort_with(
-            context,
-            Unavailable(
-                f"the dataproxy cannot reach Redis ({type(err).__name__}); retry shortly",
-                code="redis_unavailable",
-                retry_after_s=1.0,
-            ),
-        )
+    """The admin (or trainer) key first; errors are mapped by the server's interceptor."""
+    auth.check(context.invocation_metadata())
+    yield
 
 
 def _bounded(value: int, default: int, cap: int) -> int:
