@@ -102,7 +102,8 @@ async def test_the_interceptor_counts_each_rpc_by_method_and_final_status_code(
         for _ in range(2):
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Route(router_pb2.RouteRequest(session="bad"), timeout=5)
-        # An unimplemented method is still counted; health checks are not.
+        # A crashing method (the generated base raises NotImplementedError) is counted with
+        # the code the error interceptor answered; health checks are not counted.
         with pytest.raises(grpc.aio.AioRpcError):
             await stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5)
         health = health_pb2_grpc.HealthStub(channel)
@@ -115,7 +116,7 @@ async def test_the_interceptor_counts_each_rpc_by_method_and_final_status_code(
         in text
     )
     assert (
-        f"rollgate_grpc_server_handled_total{{{labels.format('UNIMPLEMENTED', 'ListWorkers')}}}"
+        f"rollgate_grpc_server_handled_total{{{labels.format('INTERNAL', 'ListWorkers')}}}"
         " 1.0" in text
     )
     assert "grpc.health" not in text
@@ -132,7 +133,7 @@ async def test_the_interceptor_counts_each_rpc_by_method_and_final_status_code(
     # The error hook saw the failures (and only those), with their messages.
     codes = [(method, code) for method, code, _ in failures]
     assert codes.count(("/rollgate.v1.Router/Route", "INVALID_ARGUMENT")) == 2
-    assert ("/rollgate.v1.Router/ListWorkers", "UNIMPLEMENTED") in codes
+    assert ("/rollgate.v1.Router/ListWorkers", "INTERNAL") in codes
     assert len(failures) == 3
     assert any(message == "bad session" for _, _, message in failures)
 
