@@ -129,10 +129,16 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
     handled = "rollgate_grpc_server_handled_total"
     dp = "rollgate.v1.DataProxy"
     assert total(dataproxy, handled, grpc_service=dp, grpc_method="StartSession") == SESSIONS
-    assert (
-        total(dataproxy, handled, grpc_service=dp, grpc_method="Chat", grpc_code="OK")
-        == (done["streamed"])
-    )
+    chat_codes = {
+        labels["grpc_code"]: v
+        for labels, v in pages["dataproxy"][handled]
+        if labels["grpc_method"] == "Chat"
+    }
+    # Every streamed turn ended well. The gateway stops a Chat call once it has read ChatDone
+    # (services/gateway/chat.py), which can reach the dataproxy before its handler returns:
+    # that RPC then ends CANCELLED, after the turn was recorded and answered.
+    assert set(chat_codes) <= {"OK", "CANCELLED"}, chat_codes
+    assert sum(chat_codes.values()) == done["streamed"], chat_codes
     assert (
         total(dataproxy, handled, grpc_service=dp, grpc_method="Complete", grpc_code="OK")
         == done["unary"]
