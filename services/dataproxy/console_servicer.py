@@ -93,7 +93,7 @@ class ConsoleServicer(console_pb2_grpc.ConsoleServicer):
 @contextlib.asynccontextmanager
 async def _guarded(context: Context, auth: TrainerAuth) -> AsyncIterator[None]:
     """The admin (or trainer) key first; errors are mapped by the server's interceptor."""
-    auth.check(context.invocation_metadata())
+    await auth.check(context.invocation_metadata())
     yield
 
 
