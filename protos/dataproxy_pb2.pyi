@@ -378,19 +378,25 @@ class ResolveKeyResponse(_message.Message):
 
     KEY_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     """Stable id of the key (a hash prefix; never the key)."""
     session_id: _builtins.str
     """The current episode's session id (empty between episodes)."""
+    mode: _builtins.str
+    """"header" for a header-mode key (POST /rl/keys: X-Session-Id names episodes), "key" for a
+    per-episode key (/rl/start_session). A key's mode never changes.
+    """
     def __init__(
         self,
         *,
         key_id: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        mode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id", "mode", b"mode", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -104,7 +104,7 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     ) -> dataproxy_pb2.ResolveKeyResponse:
         key = await self._store.resolve(request.key_digest)
         return dataproxy_pb2.ResolveKeyResponse(
-            key_id=key.key_id, session_id=key.episode if key.active else ""
+            key_id=key.key_id, session_id=key.episode if key.active else "", mode=key.mode
         )
 
     async def GetHistory(

@@ -6,7 +6,16 @@ import time
 
 from aiohttp import web
 
-from services.gateway import chat, health, key_admin, models, responses, session_api, ws
+from services.gateway import (
+    chat,
+    health,
+    key_admin,
+    models,
+    responses,
+    session_api,
+    url_sessions,
+    ws,
+)
 from services.gateway.backends import SETTINGS, backends_ctx
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
@@ -43,6 +52,8 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)
     responses.mount(app)
     ws.mount(app, ws.config_from(settings))
+    # Last of the session-key routes: each gets a /sessions/{id} twin (url_sessions.py).
+    url_sessions.mount(app)
     app.router.add_get("/health", health.health, allow_head=False)
     app.router.add_get("/ready", health.ready, allow_head=False)
     return app

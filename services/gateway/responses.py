@@ -20,6 +20,7 @@ from aiohttp import web
 from services.gateway.auth import require_session_key
 from services.gateway.backends import SETTINGS
 from services.gateway.chat import SSE_DONE, SSE_HEADERS
+from services.gateway.header_mode import TurnTags, turn_tags
 from services.gateway.http_errors import json_response
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
 from services.gateway.responses_translate import (
@@ -268,6 +269,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         timeout_s=request.app[SETTINGS].request_timeout_s,
         # The interaction is the response the client saw: set_reward takes its resp_… id.
         interaction_id=builder.response_id,
+        # Header-mode keys: X-Session-Id (or a /sessions/<id>/ path) names the episode.
+        tags=turn_tags(request.headers, TurnTags()),
     )
     async with contextlib.aclosing(upstream) as items:
         if call.stream:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from protos import dataproxy_pb2
 from services.gateway import chat
+from services.gateway.header_mode import TurnTags
 from services.runtime.errors import InternalError, from_rpc_error
 
 
@@ -178,12 +179,14 @@ async def stream_chat(
     request_id: str,
     timeout_s: float,
     interaction_id: str = "",
+    tags: TurnTags | None = None,
     on_routed: Callable[[str], None] | None = None,
 ) -> AsyncGenerator[Delta | Completion, None]:
     """Deltas as the upstream sends them, then the Completion (after the turn is recorded).
 
-    `interaction_id` names the recorded interaction (else the completion id); `on_routed`
-    gets the address of the worker running the call once its stream is open.
+    `interaction_id` names the recorded interaction (else the completion id); `tags` are the
+    call's session headers (header-mode keys); `on_routed` gets the address of the worker
+    running the call once its stream is open.
     """
     model = str(body.get("model") or "")
     upstream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
@@ -194,6 +197,7 @@ async def stream_chat(
         request_id=request_id,
         deadline=time.monotonic() + timeout_s,
         interaction_id=interaction_id,
+        tags=tags or TurnTags(),
     )
     # The chat path's own relay: routing, the one reroute, DataProxy.Chat and its recording.
     relay = chat.Relay(request, turn)

@@ -109,6 +109,7 @@ async def test_complete_records_the_turn_with_ids_and_logprobs_before_returning(
         dataproxy_pb2.ResolveKeyRequest(key_digest=digest), timeout=RPC_TIMEOUT_S
     )
     assert response.session_id == session.session_id
+    assert session.mode == "key"
 
 
 async def test_chat_streams_chunks_before_done_and_records_the_turn(stack: Stack) -> None:

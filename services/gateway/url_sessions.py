@@ -1,0 +1,169 @@
+"""Sessions named in the URL path: `/sessions/<id>/v1/...` for clients that cannot add headers.
+
+rLLM's, verl's and miles' gateways let a stock client name its session in `base_url`
+(`http://<gw>/sessions/<id>/v1`). Here the path does what `X-Session-Id` does with a header-mode
+key (POST /rl/keys), on every session-key route: each route below gets a twin under
+`/sessions/{session_id}` whose handler is the same one, called with `X-Session-Id` set from the
+path. A per-episode key cannot name episodes, so it is refused on these paths; so is a path id
+that disagrees with an `X-Session-Id` header (or a body `session_id` on the /rl/* routes).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from protos import dataproxy_pb2
+from services.gateway.auth import KeyKind, require_any_key, require_session_key
+from services.gateway.backends import BACKENDS, SETTINGS
+from services.gateway.header_mode import SESSION_ID_HEADER
+from services.gateway.key_admin import KEYS
+from services.runtime.errors import InvalidRequest, bounded, from_rpc_error
+from services.runtime.keys import key_digest
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The path parameter may be empty so that `/sessions//v1/...` gets the 400 that says why.
+SESSION_PREFIX = "/sessions/{session_id:[^{}/]*}"
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+HEADER_MODE = "header"
+# The session-key routes that get a twin under SESSION_PREFIX (the models list also takes the
+# admin key, which names no episode).
+SCOPED_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/chat/completions",
+        "/v1/responses",
+        "/responses",
+        "/v1/responses/{response_id}",
+        "/responses/{response_id}",
+        "/v1/messages",
+        "/v1/models",
+        "/models",
+        "/rl/set_reward",
+        "/rl/end_session",
+    }
+)
+_ADMIN_ALLOWED = frozenset({"/v1/models", "/models"})
+# Routes whose body `session_id` would otherwise win over the header (session_api.py).
+_BODY_SESSION_ID = frozenset({"/rl/set_reward", "/rl/end_session"})
+# Key digests whose mode this gateway has seen (a key's mode never changes).
+MAX_KNOWN_KEYS = 65536
+
+INVALID_SESSION_ID_MESSAGE = (
+    "the session id in the URL path (/sessions/<id>/…) must be 1 to 128 characters of "
+    "A-Z a-z 0-9 . _ : -"
+)
+PER_EPISODE_KEY_MESSAGE = (
+    "this is a per-episode session key (from /rl/start_session): its episode is the key's, so "
+    "a session in the URL path (/sessions/<id>/…) cannot name one. Use a header-mode key "
+    "(POST /rl/keys) with this path, or drop /sessions/<id> from the base URL"
+)
+
+
+class KeyModes:
+    """The mode ("header" or "key") of session keys, asked of the dataproxy once per key."""
+
+    def __init__(self, *, max_entries: int = MAX_KNOWN_KEYS) -> None:
+        self._max_entries = max_entries
+        self._modes: OrderedDict[str, str] = OrderedDict()
+
+    async def mode(self, request: web.Request, digest: str) -> str:
+        """The key's mode; Unauthenticated (from the dataproxy) for unknown or revoked keys."""
+        known = self._modes.get(digest)
+        if known is not None:
+            self._modes.move_to_end(digest)
+            return known
+        try:
+            resolved = await request.app[BACKENDS].dataproxy.ResolveKey(
+                dataproxy_pb2.ResolveKeyRequest(key_digest=digest),
+                timeout=request.app[SETTINGS].rpc_timeout_s,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, hop="dataproxy") from None
+        self._modes[digest] = resolved.mode
+        while len(self._modes) > self._max_entries:
+            self._modes.popitem(last=False)
+        return str(resolved.mode)
+
+
+KEY_MODES = web.AppKey("key_modes", KeyModes)
+
+
+def path_session_id(raw: str) -> str:
+    """The path's session id, or InvalidRequest saying what an id may be."""
+    if SESSION_ID_PATTERN.fullmatch(raw) is None:
+        raise InvalidRequest(INVALID_SESSION_ID_MESSAGE, code="invalid_session_id")
+    return raw
+
+
+def _conflict(path_id: str, other: str, where: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"the URL path names session {path_id!r} but {where} says {bounded(other, 140)!r}: "
+        "send one of them, or the same id in both",
+        code="session_id_conflict",
+    )
+
+
+async def _require_header_mode(request: web.Request, *, admin_allowed: bool) -> None:
+    settings = request.app[SETTINGS]
+    if admin_allowed:
+        kind, key = await require_any_key(
+            request.headers, settings.admin_key, request.app[KEYS].lookup
+        )
+        if kind is KeyKind.ADMIN:
+            return
+    else:
+        key = require_session_key(request.headers, settings.admin_key)
+    if await request.app[KEY_MODES].mode(request, key_digest(key)) != HEADER_MODE:
+        raise InvalidRequest(PER_EPISODE_KEY_MESSAGE, code="session_path_needs_header_key")
+
+
+async def _check_body_session_id(request: web.Request, session_id: str) -> None:
+    raw = await request.read()
+    try:
+        body: Any = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError:
+        return  # the route's own parser says what is wrong with the body
+    named = body.get("session_id") if isinstance(body, dict) else None
+    if isinstance(named, str) and named.strip() and named.strip() != session_id:
+        raise _conflict(session_id, named.strip(), "the body's `session_id`")
+
+
+def scoped(handler: Handler, path: str) -> Handler:
+    """`handler` behind a session named by the path: checks it, then sets X-Session-Id."""
+    admin_allowed = path in _ADMIN_ALLOWED
+    check_body = path in _BODY_SESSION_ID
+
+    async def scoped_handler(request: web.Request) -> web.StreamResponse:
+        session_id = path_session_id(request.match_info["session_id"])
+        header = request.headers.get(SESSION_ID_HEADER, "").strip()
+        if header and header != session_id:
+            raise _conflict(session_id, header, SESSION_ID_HEADER)
+        await _require_header_mode(request, admin_allowed=admin_allowed)
+        headers = CIMultiDict(request.headers)
+        headers[SESSION_ID_HEADER] = session_id
+        # Cloned before the body is read: the handler reads it from the clone.
+        named = request.clone(headers=headers)
+        if check_body:
+            await _check_body_session_id(named, session_id)
+        return await handler(named)
+
+    scoped_handler.__doc__ = f"{path} with the session named by the URL path."
+    return scoped_handler
+
+
+def mount(app: web.Application) -> None:
+    """Adds a `/sessions/{session_id}` twin of every registered route in SCOPED_PATHS."""
+    app[KEY_MODES] = KeyModes()
+    for route in list(app.router.routes()):
+        path = route.resource.canonical if route.resource is not None else ""
+        if path in SCOPED_PATHS and route.method != "HEAD":
+            app.router.add_route(route.method, SESSION_PREFIX + path, scoped(route.handler, path))
