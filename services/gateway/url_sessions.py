@@ -69,7 +69,8 @@ PER_EPISODE_KEY_MESSAGE = (
 
 
 class KeyModes:
-    """The mode ("header" or "key") of session keys, asked of the dataproxy once per key."""
+    """The mode ("header" or "key") of session keys, asked of the dataproxy (once per
+    header-mode key: a key's mode never changes)."""
 
     def __init__(self, *, max_entries: int = MAX_KNOWN_KEYS) -> None:
         self._max_entries = max_entries
@@ -88,10 +89,14 @@ class KeyModes:
             )
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, hop="dataproxy") from None
-        self._modes[digest] = resolved.mode
-        while len(self._modes) > self._max_entries:
-            self._modes.popitem(last=False)
-        return str(resolved.mode)
+        mode = str(resolved.mode)
+        # Only header mode is remembered: a per-episode key is asked again, so once revoked it
+        # gets the 401 `key_revoked` every route gives, not the 400 about its mode.
+        if mode == HEADER_MODE:
+            self._modes[digest] = mode
+            while len(self._modes) > self._max_entries:
+                self._modes.popitem(last=False)
+        return mode
 
 
 KEY_MODES = web.AppKey("key_modes", KeyModes)

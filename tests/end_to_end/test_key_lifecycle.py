@@ -170,7 +170,9 @@ async def test_a_revoked_key_is_refused_on_every_route_the_gateway_registers(
         for method, path in routes:
             if path in PUBLIC or path == "/ws":
                 continue
-            concrete = path.replace("{response_id}", "resp_" + uuid.uuid4().hex)
+            concrete = path.replace("{response_id}", "resp_" + uuid.uuid4().hex).replace(
+                "{session_id}", "s-1"
+            )
             for gateway in (gw1, gw2):
                 for key, headers in ((session_key, {}), (header_key, sid)):
                     # Valid for every POST route: chat (messages), Responses (input), reward.

@@ -198,3 +198,21 @@ def test_every_session_key_route_has_a_twin_under_the_session_prefix() -> None:
     prefix = SESSION_PREFIX.replace(":[^{}/]*", "")
     for method, path in plain:
         assert (method, prefix + path) in routes
+
+
+async def test_a_revoked_key_on_a_session_path_is_401_key_revoked_whatever_its_mode(
+    chain: ChainFactory,
+) -> None:
+    async with chain() as c:
+        header_key = (await issue(c))["api_key"]
+        status, started = await call(c, "POST", "/rl/start_session", ADMIN_KEY, {"task_id": "t"})
+        episode_key = started["api_key"]
+        path = "/sessions/s/v1/chat/completions"
+        # Both modes are seen (and the header mode remembered) before the revocation.
+        assert (await call(c, "POST", path, header_key, chat_body("x")))[0] == 200
+        assert (await call(c, "POST", path, episode_key, chat_body("x")))[0] == 400
+        for key in (header_key, episode_key):
+            status, _ = await call(c, "POST", "/rl/keys/revoke", ADMIN_KEY, {"api_key": key})
+            assert status == 200
+            status, error = await call(c, "POST", path, key, chat_body("x"))
+            assert status == 401 and error["error"]["code"] == "key_revoked", error
