@@ -201,6 +201,8 @@ class GetStatsResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     JOIN_RATE_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    MAX_HEAD_OFFPOLICYNESS_FIELD_NUMBER: _builtins.int
+    STALENESS_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     open_episodes: _builtins.int
     published: _builtins.int
     consumed: _builtins.int
@@ -213,6 +215,12 @@ class GetStatsResponse(_message.Message):
     join_rate: _builtins.float
     """Share of interactions whose parent was found (token ids or messages extend it)."""
     in_flight: _builtins.int
+    max_head_offpolicyness: _builtins.int
+    """rollgate's own staleness bound (AReaL's max_head_offpolicyness), when one is configured:
+    a trainer whose own staleness manager grants capacity (GrantCapacity) needs it unset.
+    """
+    staleness_batch_size: _builtins.int
+    """The batch size of that bound (1 when none is configured)."""
     def __init__(
         self,
         *,
@@ -226,12 +234,16 @@ class GetStatsResponse(_message.Message):
         paused: _builtins.bool = ...,
         join_rate: _builtins.float = ...,
         in_flight: _builtins.int = ...,
+        max_head_offpolicyness: _builtins.int | None = ...,
+        staleness_batch_size: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "max_head_offpolicyness", b"max_head_offpolicyness"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "consumed", b"consumed", "empty_episodes", b"empty_episodes", "in_flight", b"in_flight", "join_rate", b"join_rate", "open_episodes", b"open_episodes", "paused", b"paused", "pending", b"pending", "published", b"published", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness", "capacity", b"capacity", "consumed", b"consumed", "empty_episodes", b"empty_episodes", "in_flight", b"in_flight", "join_rate", b"join_rate", "max_head_offpolicyness", b"max_head_offpolicyness", "open_episodes", b"open_episodes", "paused", b"paused", "pending", b"pending", "published", b"published", "staleness_batch_size", b"staleness_batch_size", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_head_offpolicyness: _TypeAlias = _typing.Literal["max_head_offpolicyness"]  # noqa: Y015
+    _WhichOneofArgType__max_head_offpolicyness: _TypeAlias = _typing.Literal["_max_head_offpolicyness", b"_max_head_offpolicyness"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_head_offpolicyness) -> _WhichOneofReturnType__max_head_offpolicyness | None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
 

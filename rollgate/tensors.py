@@ -76,8 +76,8 @@ class TrainingTensors:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Row:
-    """One unpadded row before it becomes lists or arrays."""
+class TrainingRow:
+    """One unpadded row: what a padded row of `to_tensors` holds before padding."""
 
     input_ids: list[int]
     loss_mask: list[int]
@@ -105,6 +105,37 @@ def to_tensors(
     Side turns (`turn_type == "side"`: heartbeats, memory flushes) are left out unless
     `include_side_turns`.
     """
+    rows = training_rows(
+        trajectory,
+        style=style,
+        turn_discount=turn_discount,
+        drop_retry_orphans=drop_retry_orphans,
+        include_side_turns=include_side_turns,
+    )
+    return _assemble(
+        list(rows.rows), skipped=rows.skipped, dropped=rows.dropped_orphans, as_numpy=as_numpy
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingRows:
+    """The unpadded rows of a trajectory, and what was left out."""
+
+    rows: tuple[TrainingRow, ...]
+    skipped: tuple[str, ...]
+    dropped_orphans: tuple[str, ...]
+
+
+def training_rows(
+    trajectory: Trajectory,
+    *,
+    style: Style = "individual",
+    turn_discount: float = 1.0,
+    drop_retry_orphans: bool = False,
+    include_side_turns: bool = False,
+) -> TrainingRows:
+    """The rows `to_tensors` pads, unpadded, in its order (what adapters build one row at a
+    time from: AReaL's [1, L] interaction tensors, slime's samples)."""
     if style not in ("individual", "concat"):
         raise ValueError(f"style must be 'individual' or 'concat', not {style!r}")
     interactions = [
@@ -123,7 +154,7 @@ def to_tensors(
         rows = _concat_rows(usable, tokens, rewards)
     rows += _sample_rows(usable, tokens, rewards, skipped)
     rows.sort(key=lambda row: (row.sample_group, row.sample_index))
-    return _assemble(rows, skipped=tuple(skipped), dropped=tuple(dropped), as_numpy=as_numpy)
+    return TrainingRows(rows=tuple(rows), skipped=tuple(skipped), dropped_orphans=tuple(dropped))
 
 
 def _sample_rows(
@@ -131,7 +162,7 @@ def _sample_rows(
     tokens: dict[int, _Tokens],
     rewards: dict[int, float],
     skipped: list[str],
-) -> list[_Row]:
+) -> list[TrainingRow]:
     """Group sampling: each extra sample of a call is its own row on the call's prompt."""
     rows = []
     for interaction in usable:
@@ -235,9 +266,9 @@ class _Tokens:
         return self.prompt + self.output
 
 
-def _single_row(interaction: Interaction, tokens: _Tokens, reward: float) -> _Row:
+def _single_row(interaction: Interaction, tokens: _Tokens, reward: float) -> TrainingRow:
     n_prompt, n_output = len(tokens.prompt), len(tokens.output)
-    return _Row(
+    return TrainingRow(
         input_ids=tokens.sequence,
         loss_mask=[0] * n_prompt + [1] * n_output,
         logprobs=[0.0] * n_prompt + tokens.logprobs,
@@ -252,7 +283,7 @@ def _single_row(interaction: Interaction, tokens: _Tokens, reward: float) -> _Ro
 
 def _concat_rows(
     usable: Sequence[Interaction], tokens: dict[int, _Tokens], rewards: dict[int, float]
-) -> list[_Row]:
+) -> list[TrainingRow]:
     """One row per interaction no usable child extends exactly, joined up its exact chain."""
     by_index = {i.index: i for i in usable}
     exact_parent: dict[int, int] = {}
@@ -283,7 +314,7 @@ def _extends(parent: _Tokens, child: _Tokens) -> bool:
 
 def _chain_row(
     chain: list[int], leaf: Interaction, tokens: dict[int, _Tokens], reward: float
-) -> _Row:
+) -> TrainingRow:
     last = tokens[chain[-1]]
     length = len(last.sequence)
     loss_mask, logprobs = [0] * length, [0.0] * length
@@ -296,7 +327,7 @@ def _chain_row(
         logprobs[start:end] = part.logprobs
         versions[start:end] = part.versions
         turn_ids[start:end] = [turn] * len(part.output)
-    return _Row(
+    return TrainingRow(
         input_ids=last.sequence,
         loss_mask=loss_mask,
         logprobs=logprobs,
@@ -310,7 +341,7 @@ def _chain_row(
 
 
 def _assemble(
-    rows: list[_Row], *, skipped: tuple[str, ...], dropped: tuple[str, ...], as_numpy: bool
+    rows: list[TrainingRow], *, skipped: tuple[str, ...], dropped: tuple[str, ...], as_numpy: bool
 ) -> TrainingTensors:
     width = max((len(row.input_ids) for row in rows), default=0)
     columns: dict[str, Any] = {}

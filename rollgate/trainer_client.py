@@ -66,6 +66,9 @@ class TrainerStats:
     # Share of interactions whose parent was found (0.0 before any was published).
     join_rate: float = 0.0
     in_flight: int = 0
+    # rollgate's own staleness bound (AReaL's max_head_offpolicyness); None: not configured.
+    max_head_offpolicyness: int | None = None
+    staleness_batch_size: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,18 +183,7 @@ class TrainerClient:
     async def stats(self) -> TrainerStats:
         """Published, consumed and pending counts, weight version, capacity, join rate."""
         response = await self._unary(self._require_stub().GetStats, trainer_pb2.GetStatsRequest())
-        return TrainerStats(
-            open_episodes=response.open_episodes,
-            published=response.published,
-            consumed=response.consumed,
-            pending=response.pending,
-            weight_version=response.weight_version,
-            empty_episodes=response.empty_episodes,
-            capacity=response.capacity,
-            paused=response.paused,
-            join_rate=response.join_rate,
-            in_flight=response.in_flight,
-        )
+        return _stats(response)
 
     async def pause_submission(self, timeout_s: float = 30.0) -> PauseResult:
         """New turns wait; returns once running turns finished or `timeout_s` passed."""
@@ -230,6 +222,75 @@ class TrainerClient:
         if self._stub is None:
             raise RuntimeError("use TrainerClient inside `async with`")
         return self._stub
+
+
+class TrainerControl:
+    """The Trainer's control calls from synchronous code (a trainer's weight-update step):
+    `with TrainerControl(address, key) as control: control.pause_submission()`."""
+
+    def __init__(self, address: str, admin_key: str, *, timeout_s: float = 10.0) -> None:
+        self._metadata = (("authorization", f"Bearer {admin_key}"),)
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    def __enter__(self) -> TrainerControl:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+    def stats(self) -> TrainerStats:
+        """What `GetStats` reports."""
+        return _stats(self._call(self._stub.GetStats, trainer_pb2.GetStatsRequest()))
+
+    def set_weight_version(self, version: int) -> int:
+        """Stamps tokens generated from now on with `version` (never lower than current)."""
+        request = trainer_pb2.SetWeightVersionRequest(version=version)
+        return int(self._call(self._stub.SetWeightVersion, request).version)
+
+    def pause_submission(self, timeout_s: float = 30.0) -> PauseResult:
+        """New turns wait; returns once running turns finished or `timeout_s` passed."""
+        request = trainer_pb2.PauseSubmissionRequest(timeout_s=timeout_s)
+        response = self._call(
+            self._stub.PauseSubmission, request, timeout_s=timeout_s + self._timeout_s
+        )
+        return PauseResult(drained=bool(response.drained), in_flight=int(response.in_flight))
+
+    def resume_submission(self) -> None:
+        """Releases the turns waiting since `pause_submission`."""
+        self._call(self._stub.ResumeSubmission, trainer_pb2.ResumeSubmissionRequest())
+
+    def _call(self, method: Any, request: Any, *, timeout_s: float | None = None) -> Any:
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout_s or self._timeout_s)
+        except grpc.RpcError as err:
+            raise _trainer_error(cast("grpc.aio.AioRpcError", err)) from None
+
+
+def _stats(response: trainer_pb2.GetStatsResponse) -> TrainerStats:
+    return TrainerStats(
+        open_episodes=response.open_episodes,
+        published=response.published,
+        consumed=response.consumed,
+        pending=response.pending,
+        weight_version=response.weight_version,
+        empty_episodes=response.empty_episodes,
+        capacity=response.capacity,
+        paused=response.paused,
+        join_rate=response.join_rate,
+        in_flight=response.in_flight,
+        max_head_offpolicyness=(
+            int(response.max_head_offpolicyness)
+            if response.HasField("max_head_offpolicyness")
+            else None
+        ),
+        staleness_batch_size=int(response.staleness_batch_size) or 1,
+    )
 
 
 def _trainer_error(err: grpc.aio.AioRpcError) -> TrainerError:

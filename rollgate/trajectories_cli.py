@@ -299,7 +299,16 @@ def _export_line(stream_id: str, fields: Mapping[bytes, bytes]) -> tuple[str, bo
         )
     except TrajectoryDecodeError as err:
         return f"cannot decode: {err}", False
-    return orjson.dumps({"stream_id": stream_id, **trajectory_to_json(trajectory)}).decode(), True
+    return export_line(stream_id, trajectory), True
+
+
+def export_line(stream_id: str, trajectory: Trajectory) -> str:
+    """One line of the JSON Lines export (no newline): `stream_id` and the trajectory as JSON.
+
+    The one offline format: `export` writes it, the trainer adapters' dumps write it, and
+    `rollgate.episodes.read_export` (replay) reads it back into the same trajectory.
+    """
+    return orjson.dumps({"stream_id": stream_id, **trajectory_to_json(trajectory)}).decode()
 
 
 def _trimmed_since(client: redis.Redis, stream: str, cursor: str) -> bool:
@@ -378,7 +387,7 @@ def _render(stream_id: str, fields: Mapping[bytes, bytes], *, json_lines: bool) 
             return json.dumps({"stream_id": stream_id, "error": str(err)})
         return f"{stream_id}  (cannot decode: {err})"
     if json_lines:
-        return orjson.dumps({"stream_id": stream_id, **trajectory_to_json(trajectory)}).decode()
+        return export_line(stream_id, trajectory)
     return summary_line(stream_id, trajectory)
 
 

@@ -153,7 +153,11 @@ def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
             f"trajectory schema version {version} is newer than this library's "
             f"({SCHEMA_VERSION}); upgrade rollgate"
         )
-    raw = inline_content(raw)
+    return _trajectory(inline_content(raw), version)
+
+
+def _trajectory(raw: Mapping[str, Any], version: int) -> Trajectory:
+    """A trajectory from its map, contents inline (version 1 layout)."""
     return Trajectory(
         schema_version=version,
         trajectory_id=str(raw.get("trajectory_id", "")),
@@ -262,6 +266,51 @@ def _interaction_json(interaction: Interaction | Sample) -> dict[str, Any]:
         else:
             out[name] = getattr(interaction, name)
     return out
+
+
+def trajectory_from_json(data: Mapping[str, Any]) -> Trajectory:
+    """The trajectory a `trajectory_to_json` object (an export or `tail --json` line) holds.
+
+    The inverse of `trajectory_to_json`: lists become packed arrays again, so the tensors
+    made from the result equal those made from the stream's msgpack blob (float32 logprobs
+    survive JSON exactly). Fields it does not know (`stream_id`) are ignored.
+    """
+    if not isinstance(data, Mapping):
+        raise TrajectoryDecodeError("a trajectory is a JSON object")
+    version = int(data.get("schema_version", 0) or 0)
+    if version > SCHEMA_VERSION:
+        raise TrajectoryDecodeError(
+            f"trajectory schema version {version} is newer than this library's "
+            f"({SCHEMA_VERSION}); upgrade rollgate"
+        )
+    try:
+        raw = dict(data)
+        raw["interactions"] = [_packed_json(item) for item in data.get("interactions") or ()]
+        return _trajectory(raw, version)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TrajectoryDecodeError(f"not a trajectory in rollgate's JSON form: {err}") from err
+
+
+def _packed_json(item: Mapping[str, Any]) -> dict[str, Any]:
+    """An interaction (or sample) as JSON, with its arrays packed as on the stream."""
+    if not isinstance(item, Mapping):
+        raise TypeError("an interaction is a JSON object")
+    out = dict(item)
+    for name in ("prompt_token_ids", "output_token_ids", "output_versions"):
+        if name in out:
+            out[name] = _pack("i", out[name] or ())
+    if "output_logprobs" in out:
+        out["output_logprobs"] = _pack("f", out["output_logprobs"] or ())
+    if "samples" in out:
+        out["samples"] = [_packed_json(sample) for sample in out["samples"] or ()]
+    return out
+
+
+def _pack(typecode: str, values: Any) -> bytes:
+    packed: array[Any] = array(typecode, values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _interaction(raw: Mapping[str, Any]) -> Interaction:

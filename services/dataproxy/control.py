@@ -147,6 +147,11 @@ class Control:
         self._pause_wait_s = pause_wait_s
         self._pause_drain_timeout_s = pause_drain_timeout_s
 
+    @property
+    def policy(self) -> CapacityPolicy:
+        """The capacity policy: rollgate's own staleness bound, if one is configured."""
+        return self._policy
+
     # -- turns -------------------------------------------------------------------------
 
     async def admit(self, begin: Begin[AdmittedT]) -> tuple[AdmittedT, TurnLease]:

@@ -106,7 +106,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         await self._authorize(context)
         stats = await self._stream.stats()
         control = await self._control.snapshot()
-        return _stats(stats, control)
+        return _stats(stats, control, self._control.policy)
 
     async def PauseSubmission(
         self, request: trainer_pb2.PauseSubmissionRequest, context: Context
@@ -169,7 +169,9 @@ def build_control(
     )
 
 
-def _stats(stats: TrainerStats, control: ControlSnapshot) -> trainer_pb2.GetStatsResponse:
+def _stats(
+    stats: TrainerStats, control: ControlSnapshot, policy: CapacityPolicy
+) -> trainer_pb2.GetStatsResponse:
     return trainer_pb2.GetStatsResponse(
         open_episodes=stats.open_episodes,
         published=stats.published,
@@ -181,6 +183,8 @@ def _stats(stats: TrainerStats, control: ControlSnapshot) -> trainer_pb2.GetStat
         paused=control.paused,
         join_rate=control.join_rate,
         in_flight=control.in_flight,
+        max_head_offpolicyness=policy.max_head_offpolicyness,
+        staleness_batch_size=policy.batch_size,
     )
 
 

@@ -201,6 +201,21 @@ async def test_get_stats_reports_capacity_grants_and_open_episodes(
         assert granted.capacity == 8
 
 
+async def test_get_stats_says_whether_rollgates_own_staleness_bound_is_configured(
+    redis_url: str, key_prefix: str
+) -> None:
+    async with running_proxy(
+        redis_url, key_prefix, max_head_offpolicyness=0, batch_size=3
+    ) as proxy:
+        bounded = await proxy.stats()
+    assert bounded.HasField("max_head_offpolicyness")
+    assert (bounded.max_head_offpolicyness, bounded.staleness_batch_size) == (0, 3)
+    async with running_proxy(redis_url, key_prefix + "free:") as proxy:
+        free = await proxy.stats()
+    assert not free.HasField("max_head_offpolicyness")
+    assert free.staleness_batch_size == 1
+
+
 async def test_complete_groups_only_delivers_a_group_once_every_member_ended(
     redis_url: str, key_prefix: str
 ) -> None:

@@ -1,0 +1,619 @@
+"""RollgateWorkflow as AReaL runs it, against the real stack (processes, real Redis, mock LLM).
+
+Every tensor value is checked against docs/training.md (what AReaL consumes, from
+../shared/reference/trainers.md), computed here from `rollgate trajectories export` lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollgate.areal_workflow import (
+    AREAL_INSTALLED,
+    RollgateWorkflow,
+    StalenessConflict,
+    WeightSync,
+    attach_weight_sync,
+)
+from rollgate.episodes import LiveOptions, LiveSource, ReplayFinished
+from rollgate.stack import Stack
+from rollgate.trainer_client import TrainerClient
+from services.dataproxy.settings import DataProxySettings
+from services.dataproxy.trainer_servicer import TrainerServicer
+from tests.end_to_end.adapters import (
+    N_SAMPLES,
+    ROOT,
+    discounted,
+    drained,
+    expected_row,
+    export,
+    grouped_stack,
+    traffic,
+    until,
+)
+from tests.harness.inprocess import serving_trainer
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from grouped_stack(redis_url, tmp_path_factory, "rgareal")
+
+
+def workflow(stack: Stack, group: str, **kwargs: Any) -> RollgateWorkflow:
+    return RollgateWorkflow(
+        trainer_address=stack.trainer_address,
+        admin_key=stack.config.admin_key,
+        group=group,
+        consumer=kwargs.pop("consumer", "trainer-0"),
+        **kwargs,
+    )
+
+
+async def episodes_from(
+    wf: RollgateWorkflow, stack: Stack, count: int, **traffic_args: Any
+) -> list[dict[str, Any] | None]:
+    """`count` concurrent arun_episode calls (they grant capacity) while agents run."""
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        before = max(0, (await tc.stats()).capacity)  # -1 (unlimited) until a first grant
+    calls = [asyncio.create_task(wf.arun_episode(None, {})) for _ in range(count)]
+    # Agents start once the calls granted them capacity (as AReaL's executor runs them).
+    await until(lambda: _capacity_is(stack, before + count))
+    sent = await traffic(stack, count, **traffic_args)
+    assert len(sent) == count
+    async with asyncio.timeout(60):
+        return list(await asyncio.gather(*calls))
+
+
+def as_lists(tensors: dict[str, Any]) -> dict[str, list[Any]]:
+    """A [1, L] (rewards: [1]) tensor dict as plain lists of its one row."""
+    out = {}
+    for key, value in tensors.items():
+        listed = value.tolist()
+        out[key] = listed[0] if key not in ("rewards", "original_rewards") else listed
+    return out
+
+
+def check_episode(
+    result: dict[str, Any], line: dict[str, Any], gamma: float, group_id: str | None = None
+) -> None:
+    """Every row of one episode, value by value, against its export line; `group_id`: the
+    episode group every row carries (else each call's rows share `<trajectory>/<index>`)."""
+    interactions = line["interactions"]
+    rewards = discounted(interactions, gamma)
+    expected_keys = []
+    for interaction in interactions:
+        expected_keys.append(interaction["interaction_id"])
+        expected_keys += [
+            f"{interaction['interaction_id']}#{s['sample_index']}" for s in interaction["samples"]
+        ]
+    # Rows in interaction order, each call's G samples consecutive.
+    assert list(result) == expected_keys
+    for position, interaction in enumerate(interactions):
+        assert len(interaction["samples"]) == N_SAMPLES - 1
+        group_ids = set()
+        for sample in [None, *interaction["samples"]]:
+            key = interaction["interaction_id"] + (f"#{sample['sample_index']}" if sample else "")
+            item = result[key]
+            tensors = item.to_tensor_dict()
+            assert str(tensors["input_ids"].dtype).endswith("int64")
+            assert str(tensors["loss_mask"].dtype).endswith("int64")
+            assert str(tensors["logprobs"].dtype).endswith("float32")
+            assert str(tensors["versions"].dtype).endswith("int64")
+            assert str(tensors["attention_mask"].dtype).endswith("bool")
+            assert str(tensors["rewards"].dtype).endswith("float32")
+            length = len(interaction["prompt_token_ids"]) + len(
+                (sample or interaction)["output_token_ids"]
+            )
+            assert tuple(tensors["input_ids"].shape) == (1, length)
+            assert tuple(tensors["rewards"].shape) == (1,)
+            values = as_lists(tensors)
+            want = expected_row(interaction, sample, rewards[position])
+            for name, expected in want.items():
+                assert values[name] == expected, (key, name)
+            if "turn_ids" in values:
+                n_prompt = len(interaction["prompt_token_ids"])
+                assert values["turn_ids"] == [-1] * n_prompt + [0] * (length - n_prompt)
+                assert values["original_rewards"] == [interaction["reward"]]
+            assert item.reward == pytest.approx(rewards[position])
+            assert item.interaction_id == key
+            assert item.messages == interaction["messages"]
+            assert item.output_message_list == [(sample or interaction)["output"]]
+            assert item.rollgate.sample_index == (sample["sample_index"] if sample else 0)
+            assert item.rollgate.trajectory_id == line["trajectory_id"]
+            group_ids.add(item.rollgate.group_id)
+        assert group_ids == {group_id or f"{line['trajectory_id']}/{interaction['index']}"}
+
+
+async def test_arun_episode_returns_one_areal_row_per_interaction_and_sample(
+    stack: Stack, tmp_path: Path
+) -> None:
+    await drained(stack, "rows")
+    wf = workflow(stack, "rows")
+    try:
+        results = await episodes_from(wf, stack, 3)
+    finally:
+        await wf.aclose()
+    lines = export(stack, tmp_path / "all.jsonl")
+    seen = []
+    for result in results:
+        assert result is not None
+        first = next(iter(result.values()))
+        line = lines[first.rollgate.trajectory_id]
+        assert len(line["interactions"]) == 2  # the tool call, then the answer
+        assert line["interactions"][0]["finish_reason"] == "tool_calls"
+        assert line["interactions"][0]["tools"]
+        check_episode(result, line, gamma=1.0)
+        seen.append(line["trajectory_id"])
+    # Handed in publication order, each once.
+    order = [tid for tid in lines if tid in seen]
+    assert seen == order and len(set(seen)) == 3
+    rewards = [lines[t]["final_reward"] for t in seen]
+    assert rewards == [1.0, 0.0, 0.5]
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        stats = await tc.stats()
+    # Three calls granted three episodes, and the three agents used them up.
+    assert stats.capacity == 0
+    assert stats.pending == 0  # the three were acked once handed over
+
+
+async def test_the_turn_discount_and_areal2_keys_follow_areal(stack: Stack, tmp_path: Path) -> None:
+    await drained(stack, "discount")
+    wf = workflow(stack, "discount", discount=0.5, tensor_keys="areal2")
+    try:
+        [result] = await episodes_from(wf, stack, 1)
+    finally:
+        await wf.aclose()
+    assert result is not None
+    first = next(iter(result.values()))
+    line = export(stack, tmp_path / "all.jsonl")[first.rollgate.trajectory_id]
+    final = line["interactions"][-1]["reward"]
+    assert final == 1.0
+    check_episode(result, line, gamma=0.5)
+    # The tool-call turn gets the answer's reward times the discount.
+    assert first.to_tensor_dict()["rewards"].tolist() == [0.5]
+    assert set(first.to_tensor_dict()) >= {"turn_ids", "original_rewards"}
+
+
+async def test_the_values_are_areals_own_classes_and_its_executor_pads_them(
+    stack: Stack,
+) -> None:
+    # `make test` installs areal==1.0.4 (with --no-deps, and what its import needs).
+    assert AREAL_INSTALLED, "areal is not importable: run `make test` (it installs areal)"
+    from areal.api.workflow_api import RolloutWorkflow
+    from areal.experimental.openai.types import InteractionWithTokenLogpReward
+    from areal.utils.data import concat_padded_tensors
+
+    await drained(stack, "classes")
+    wf = workflow(stack, "classes")
+    try:
+        [result] = await episodes_from(wf, stack, 1)
+    finally:
+        await wf.aclose()
+    assert isinstance(wf, RolloutWorkflow)
+    assert result is not None
+    assert all(isinstance(v, InteractionWithTokenLogpReward) for v in result.values())
+    assert wf.tensor_keys == "areal1"  # areal 1.0.4 builds no turn_ids / original_rewards
+    rows = [v.to_tensor_dict() for v in result.values()]
+    batch = concat_padded_tensors(rows)  # what WorkflowExecutor does with the dict
+    width = max(r["input_ids"].shape[1] for r in rows)
+    assert tuple(batch["input_ids"].shape) == (len(rows), width)
+    for position, row in enumerate(rows):
+        length = row["input_ids"].shape[1]
+        for key in ("input_ids", "loss_mask", "logprobs", "versions", "attention_mask"):
+            padded = batch[key][position].tolist()
+            assert padded[:length] == row[key][0].tolist()
+            assert padded[length:] == [0] * (width - length)  # 0 / False / 0.0
+    assert batch["rewards"].tolist() == [r["rewards"].item() for r in rows]
+
+
+async def test_an_episode_that_ended_empty_returns_none(stack: Stack) -> None:
+    await drained(stack, "empty")
+    wf = workflow(stack, "empty")
+    try:
+        call = asyncio.create_task(wf.arun_episode(None, {}))
+        await until(lambda: _capacity_is(stack, 1))
+        started = await asyncio.to_thread(
+            _post, stack, "/rl/start_session", stack.config.admin_key, {"task_id": "quiet"}
+        )
+        await asyncio.to_thread(_post, stack, "/rl/end_session", started["api_key"], {})
+        async with asyncio.timeout(20):
+            assert await call is None
+    finally:
+        await wf.aclose()
+
+
+async def test_episode_groups_are_granted_whole_and_returned_as_consecutive_rows(
+    stack: Stack, tmp_path: Path
+) -> None:
+    await drained(stack, "groups")
+    wf = workflow(stack, "groups", episode_group_size=2)
+    try:
+        call = asyncio.create_task(wf.arun_episode(None, {}))
+        await until(lambda: _capacity_is(stack, 2))  # one grant of two: all or none
+        sent = await traffic(stack, 2, group_size=2)
+        async with asyncio.timeout(30):
+            result = await call
+    finally:
+        await wf.aclose()
+    assert result is not None
+    lines = export(stack, tmp_path / "all.jsonl")
+    group_id = sent[0].group_id
+    assert group_id and sent[1].group_id == group_id
+    members = [line for line in lines.values() if line["group_id"] == group_id]
+    assert len(members) == 2
+    trajectories = [item.rollgate.trajectory_id for item in result.values()]
+    # Each member's rows together, members in publication order; every row has the group id.
+    order = [m["trajectory_id"] for m in members]
+    assert trajectories == sorted(trajectories, key=order.index)
+    for member in members:
+        rows = {
+            k: v for k, v in result.items() if v.rollgate.trajectory_id == member["trajectory_id"]
+        }
+        check_episode(rows, member, gamma=1.0, group_id=group_id)
+
+
+async def test_a_restarted_trainer_gets_back_what_it_had_not_taken_and_not_what_it_took(
+    stack: Stack, tmp_path: Path
+) -> None:
+    await drained(stack, "restart")
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, sys, time
+            from rollgate.areal_workflow import RollgateWorkflow
+            async def main():
+                wf = RollgateWorkflow(trainer_address={stack.trainer_address!r},
+                    admin_key={stack.config.admin_key!r}, group="restart", consumer="pod-0")
+                result = await wf.arun_episode(None, {{}})
+                print(next(iter(result.values())).rollgate.trajectory_id, flush=True)
+                await asyncio.sleep(3600)  # the next episode reaches it, unasked for
+            asyncio.run(main())
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trainer = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), stdout=asyncio.subprocess.PIPE, env=env
+    )
+    try:
+        await until(lambda: _capacity_is(stack, 1))  # the trainer's one call granted
+        async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+            await tc.grant_capacity(1)  # an agent that starts without a call waiting
+        await traffic(stack, 2, task_id="restart")
+        assert trainer.stdout is not None
+        taken = (await asyncio.wait_for(trainer.stdout.readline(), 60)).decode().strip()
+        assert taken.startswith("traj-")
+        # The episode it took is acked; the second was delivered to it and is pending.
+        await until(lambda: _stats_match(stack, "restart", pending=1))
+    finally:
+        trainer.send_signal(signal.SIGKILL)  # a crash: nothing is flushed
+        await trainer.wait()
+    lines = export(stack, tmp_path / "all.jsonl")
+    restart_ids = [t for t, line in lines.items() if line["task_id"] == "restart"]
+    assert taken in restart_ids
+    [other] = [t for t in restart_ids if t != taken]
+    # The restarted trainer (same consumer name) gets the second one first, and only it.
+    wf = workflow(stack, "restart", consumer="pod-0")
+    try:
+        async with asyncio.timeout(30):
+            result = await wf.arun_episode(None, {})
+        assert result is not None
+        assert {v.rollgate.trajectory_id for v in result.values()} == {other}
+        check_episode(result, lines[other], gamma=1.0)
+        await until(lambda: _stats_match(stack, "restart", pending=0))
+    finally:
+        await _return_grant(stack)  # this call granted one episode no agent will use
+        await wf.aclose()
+
+
+async def test_what_was_pulled_but_not_taken_comes_back_to_the_next_life_only(
+    stack: Stack,
+) -> None:
+    await drained(stack, "life")
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as granting:
+        await granting.grant_capacity(1)
+    [sent] = await traffic(stack, 1, task_id="life")
+    ids = []
+    for _life in range(2):
+        async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+            source = await LiveSource(tc, LiveOptions(group="life", consumer="c")).start()
+            async with asyncio.timeout(20):
+                unit = await source.take()
+            assert unit is not None
+            ids.append(unit[0].trajectory.trajectory_id)
+            # Not taken: no ack; the next life (same consumer) gets it again.
+            await source.aclose()
+    assert ids[0] == ids[1]
+    assert sent.session_id  # one episode was sent, delivered twice (two lives)
+    # Within one life a given-back unit is handed out again, never a second copy of it.
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        source = await LiveSource(tc, LiveOptions(group="life", consumer="c")).start()
+        async with asyncio.timeout(20):
+            unit = await source.take()
+        assert unit is not None
+        source.give_back(unit)
+        async with asyncio.timeout(20):
+            again = await source.take()
+        assert again == unit
+        source.taken(again)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.5):
+                await source.take()
+        await source.aclose()
+    await until(lambda: _stats_match(stack, "life", pending=0))
+
+
+async def test_a_dataproxy_restart_neither_loses_nor_repeats_an_episode(stack: Stack) -> None:
+    await drained(stack, "reconnect")
+    wf = workflow(stack, "reconnect", consumer="pod-r")
+    try:
+        calls = [asyncio.create_task(wf.arun_episode(None, {})) for _ in range(2)]
+        await until(lambda: _capacity_is(stack, 2))
+        await traffic(stack, 1, task_id="reconnect")
+        async with asyncio.timeout(30):
+            first = await calls[0]
+        await asyncio.to_thread(stack.stop_service, "dataproxy")
+        await asyncio.to_thread(stack.restart_service, "dataproxy")
+        await traffic(stack, 1, task_id="reconnect")
+        async with asyncio.timeout(60):
+            second = await calls[1]
+        assert first is not None and second is not None
+        got = [next(iter(r.values())).rollgate.trajectory_id for r in (first, second)]
+        assert len(set(got)) == 2
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(2):
+                await wf.arun_episode(None, {})
+    finally:
+        await _return_grant(stack)
+        await wf.aclose()
+
+
+async def test_weight_sync_reaches_rollgate_and_stamps_later_tokens(
+    stack: Stack, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    class Rollout:  # AReaL's RolloutController methods PPOTrainer calls around an update
+        def pause(self) -> None:
+            calls.append("areal.pause")
+
+        def resume(self) -> None:
+            calls.append("areal.resume")
+
+        def set_version(self, version: int) -> None:
+            calls.append(f"areal.set_version({version})")
+
+    sync = WeightSync(stack.trainer_address, stack.config.admin_key, pause_timeout_s=5)
+    rollout = attach_weight_sync(Rollout(), sync)
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        version = (await tc.stats()).weight_version + 1
+        await asyncio.to_thread(rollout.pause)
+        assert (await tc.stats()).paused
+        await asyncio.to_thread(rollout.set_version, version)
+        assert (await tc.stats()).weight_version == version
+        await asyncio.to_thread(rollout.resume)
+        assert not (await tc.stats()).paused
+    sync.close()
+    assert calls == ["areal.pause", f"areal.set_version({version})", "areal.resume"]
+    await drained(stack, "versions")
+    wf = workflow(stack, "versions")
+    try:
+        [result] = await episodes_from(wf, stack, 1)
+    finally:
+        await wf.aclose()
+    assert result is not None
+    for item in result.values():
+        values = as_lists(item.to_tensor_dict())
+        mask = values["loss_mask"]
+        assert [v for v, m in zip(values["versions"], mask, strict=True) if m] == [version] * sum(
+            mask
+        )
+        assert [v for v, m in zip(values["versions"], mask, strict=True) if not m] == [-1] * (
+            len(mask) - sum(mask)
+        )
+
+
+async def test_rollgates_own_staleness_bound_makes_the_workflow_refuse_to_start(
+    redis_url: str, key_prefix: str
+) -> None:
+    settings = DataProxySettings(
+        admin_key="admin-" + "x" * 30, max_head_offpolicyness=2, batch_size=8
+    )
+    servicer = TrainerServicer(redis=_redis(redis_url), keys=_keys(key_prefix), settings=settings)
+    async with serving_trainer(servicer) as address:
+        with pytest.raises(StalenessConflict) as refused:
+            await asyncio.to_thread(
+                RollgateWorkflow, trainer_address=address, admin_key=settings.admin_key
+            )
+    message = str(refused.value)
+    assert "max_head_offpolicyness=2, batch_size=8" in message
+    assert "AReaL's staleness manager is the one authority" in message
+    assert "ROLLGATE_MAX_HEAD_OFFPOLICYNESS" in message
+
+
+async def test_replaying_the_export_gives_the_same_rows_as_the_live_stream(
+    stack: Stack, tmp_path: Path
+) -> None:
+    await drained(stack, "replay")
+    dump = tmp_path / "dump.jsonl"
+    live_wf = workflow(stack, "replay", dump=str(dump))
+    try:
+        live = await episodes_from(live_wf, stack, 2, task_id="replay")
+    finally:
+        await live_wf.aclose()
+    live_ids = [next(iter(r.values())).rollgate.trajectory_id for r in live if r]
+    everything = tmp_path / "all.jsonl"
+    export(stack, everything)
+    # The export holds every test's episodes; keep this test's, as a user would select a run.
+    run = tmp_path / "run.jsonl"
+    run.write_text(
+        "".join(
+            line + "\n"
+            for line in everything.read_text().splitlines()
+            if any(tid in line for tid in live_ids)
+        )
+    )
+    for path in (run, dump):
+        replay_wf = RollgateWorkflow(
+            replay=str(path), admin_key="unused-offline", check_staleness=False
+        )
+        replayed = [await replay_wf.arun_episode(None, {}) for _ in live]
+        with pytest.raises(ReplayFinished):
+            await replay_wf.arun_episode(None, {})
+        for a, b in zip(live, replayed, strict=True):
+            assert a is not None and b is not None
+            assert list(a) == list(b)
+            for key in a:
+                assert as_lists(a[key].to_tensor_dict()) == as_lists(b[key].to_tensor_dict())
+                assert a[key].reward == b[key].reward
+                assert a[key].rollgate == b[key].rollgate
+
+
+def test_without_areal_or_torch_the_same_rows_come_as_duck_typed_numpy(tmp_path: Path) -> None:
+    line = _offline_line()
+    path = tmp_path / "one.jsonl"
+    path.write_text(line + "\n")
+    code = textwrap.dedent(
+        f"""
+        import asyncio, json, sys
+        sys.modules["areal"] = None  # not installed
+        sys.modules["torch"] = None
+        from rollgate import areal_workflow as aw
+        assert not aw.AREAL_INSTALLED and aw.INTERACTION_CLASS is aw.DuckInteraction
+        wf = aw.RollgateWorkflow(replay={str(path)!r}, admin_key="k", check_staleness=False)
+        assert wf.tensor_backend == "numpy" and wf.tensor_keys == "areal2"
+        result = asyncio.run(wf.arun_episode(None, {{}}))
+        out = {{}}
+        for key, item in result.items():
+            t = item.to_tensor_dict()
+            out[key] = {{k: [str(v.dtype), list(v.shape), v.tolist()] for k, v in t.items()}}
+        print(json.dumps(out))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    out = json.loads(proc.stdout)
+    assert list(out) == ["c-0", "c-0#1"]
+    row = out["c-0"]
+    assert row["input_ids"] == ["int64", [1, 5], [[1, 2, 3, 7, 8]]]
+    assert row["loss_mask"] == ["int64", [1, 5], [[0, 0, 0, 1, 1]]]
+    assert row["logprobs"] == ["float32", [1, 5], [[0.0, 0.0, 0.0, -0.5, -0.25]]]
+    assert row["versions"] == ["int64", [1, 5], [[-1, -1, -1, 4, 4]]]
+    assert row["attention_mask"] == ["bool", [1, 5], [[True] * 5]]
+    assert row["rewards"] == ["float32", [1], [1.0]]
+    assert row["turn_ids"] == ["int32", [1, 5], [[-1, -1, -1, 0, 0]]]
+    assert row["original_rewards"] == ["float32", [1], [1.0]]
+    sample = out["c-0#1"]
+    assert sample["input_ids"][2] == [[1, 2, 3, 9]]
+    assert sample["logprobs"][2] == [[0.0, 0.0, 0.0, -1.5]]
+    assert sample["rewards"][2] == [1.0]
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _offline_line() -> str:
+    import json
+
+    interaction = {
+        "interaction_id": "c-0",
+        "index": 0,
+        "parent": None,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": None,
+        "output": {"role": "assistant", "content": "yo"},
+        "finish_reason": "stop",
+        "prompt_token_ids": [1, 2, 3],
+        "output_token_ids": [7, 8],
+        "output_logprobs": [-0.5, -0.25],
+        "output_versions": [4, 4],
+        "exact_tokens": True,
+        "reward": 1.0,
+        "reward_set": True,
+        "samples": [
+            {
+                "sample_index": 1,
+                "output": {"role": "assistant", "content": "no"},
+                "finish_reason": "stop",
+                "output_token_ids": [9],
+                "output_logprobs": [-1.5],
+                "output_versions": [4],
+                "exact_tokens": True,
+                "length_mismatch": False,
+                "reward": 1.0,
+                "reward_set": True,
+            }
+        ],
+    }
+    return json.dumps(
+        {
+            "stream_id": "1-0",
+            "schema_version": 2,
+            "trajectory_id": "traj-offline",
+            "session_id": "t-1",
+            "task_id": "t",
+            "interactions": [interaction],
+        }
+    )
+
+
+def _post(stack: Stack, path: str, key: str, body: dict[str, Any]) -> dict[str, Any]:
+    from tests.end_to_end.adapters import agent_traffic
+
+    return agent_traffic.post(stack.gateway_url, path, key, body)
+
+
+async def _capacity_is(stack: Stack, capacity: int) -> bool:
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        return (await tc.stats()).capacity == capacity
+
+
+async def _stats_match(stack: Stack, group: str, *, pending: int) -> bool:
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        return (await tc.stats()).pending == pending
+
+
+async def _return_grant(stack: Stack) -> None:
+    """Uses up grants a test left (a call that waits for an episode no agent sends)."""
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        left = (await tc.stats()).capacity
+    for _ in range(max(0, left)):
+        started = await asyncio.to_thread(
+            _post, stack, "/rl/start_session", stack.config.admin_key, {"task_id": "sink"}
+        )
+        await asyncio.to_thread(_post, stack, "/rl/end_session", started["api_key"], {})
+
+
+def _redis(url: str) -> Any:
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(url)
+
+
+def _keys(prefix: str) -> Any:
+    from services.dataproxy.redis_keys import RedisKeys
+
+    return RedisKeys(prefix=prefix + uuid.uuid4().hex[:6] + ":")
