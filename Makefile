@@ -6,10 +6,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint protos bench clean
 
-$(STAMP): pyproject.toml
+AREAL_VERSION := 1.0.4
+
+$(STAMP): pyproject.toml requirements-areal.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# AReaL's own classes for the adapter tests (docs/training.md, "AReaL"): areal pins an
+	# older torch than the CPU build here, so it goes in without its dependencies, beside
+	# what its modules import.
+	$(BIN)/python -m pip install --quiet -r requirements-areal.txt
+	$(BIN)/python -m pip install --quiet --no-deps areal==$(AREAL_VERSION)
 	touch $(STAMP)
 
 run: $(STAMP)  ## the whole stack as local processes (embedded Redis, mock LLM unless configured)

@@ -227,13 +227,15 @@ class SlimeRollout:
     async def _take(self, source: EpisodeSource, deadline: float | None) -> Unit | None:
         if deadline is None:
             return await source.take()
-        left = deadline - time.monotonic()
-        if left <= 0:
+        try:
+            return await asyncio.wait_for(
+                source.take(), timeout=max(0.0, deadline - time.monotonic())
+            )
+        except TimeoutError:
             raise TimeoutError(
                 f"only {len(self._pending)} groups arrived in {self.options.wait_timeout_s:g} s: "
                 "are agents running episodes against the gateway?"
-            )
-        return await asyncio.wait_for(source.take(), timeout=left)
+            ) from None
 
     def _add(self, unit: Unit) -> int:
         """The unit's groups go to the pending list; returns how many groups were dropped."""
@@ -246,8 +248,7 @@ class SlimeRollout:
             first_index=self._next_index,
         )
         self._next_index += sum(len(group) for group in groups)
-        aborted = SAMPLE_CLASS.Status.ABORTED
-        kept = [g for g in groups if not any(sample.status == aborted for sample in g)]
+        kept = without_aborted(groups)
         ids = tuple(episode.trajectory.trajectory_id for episode in unit)
         self._owed[ids[0]] = [unit, len(kept)]
         for group in kept:
@@ -345,6 +346,12 @@ def make_groups(
         for sample in group:
             sample.group_index = position
     return groups
+
+
+def without_aborted(groups: Sequence[list[Any]]) -> list[list[Any]]:
+    """The groups none of whose samples was aborted (OpenClaw-RL drops the others)."""
+    aborted = SAMPLE_CLASS.Status.ABORTED
+    return [group for group in groups if not any(s.status == aborted for s in group)]
 
 
 def to_sample(row: EpisodeRow, episode: Episode, index: int, reward_key: str) -> Any:
