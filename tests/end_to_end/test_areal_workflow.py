@@ -31,6 +31,7 @@ from rollgate.stack import Stack
 from rollgate.trainer_client import TrainerClient
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
+from services.runtime.secret import Secret
 from tests.end_to_end.adapters import (
     N_SAMPLES,
     ROOT,
@@ -430,14 +431,15 @@ async def test_weight_sync_reaches_rollgate_and_stamps_later_tokens(
 async def test_rollgates_own_staleness_bound_makes_the_workflow_refuse_to_start(
     redis_url: str, key_prefix: str
 ) -> None:
+    admin_key = "admin-" + "x" * 30
     settings = DataProxySettings(
-        admin_key="admin-" + "x" * 30, max_head_offpolicyness=2, batch_size=8
+        admin_key=Secret(admin_key), max_head_offpolicyness=2, batch_size=8
     )
     servicer = TrainerServicer(redis=_redis(redis_url), keys=_keys(key_prefix), settings=settings)
     async with serving_trainer(servicer) as address:
         with pytest.raises(StalenessConflict) as refused:
             await asyncio.to_thread(
-                RollgateWorkflow, trainer_address=address, admin_key=settings.admin_key
+                RollgateWorkflow, trainer_address=address, admin_key=admin_key
             )
     message = str(refused.value)
     assert "max_head_offpolicyness=2, batch_size=8" in message
