@@ -438,9 +438,7 @@ async def test_rollgates_own_staleness_bound_makes_the_workflow_refuse_to_start(
     servicer = TrainerServicer(redis=_redis(redis_url), keys=_keys(key_prefix), settings=settings)
     async with serving_trainer(servicer) as address:
         with pytest.raises(StalenessConflict) as refused:
-            await asyncio.to_thread(
-                RollgateWorkflow, trainer_address=address, admin_key=admin_key
-            )
+            await asyncio.to_thread(RollgateWorkflow, trainer_address=address, admin_key=admin_key)
     message = str(refused.value)
     assert "max_head_offpolicyness=2, batch_size=8" in message
     assert "AReaL's staleness manager is the one authority" in message
