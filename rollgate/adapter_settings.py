@@ -1,9 +1,10 @@
-"""Where a trainer adapter finds rollgate: arguments, the environment, a `rollgate:` YAML section.
+r"""Where a trainer adapter finds rollgate: arguments, the environment, a `rollgate:` YAML section.
 
 Precedence, highest first: arguments given in code; `ROLLGATE_*` variables; the `rollgate:`
 section of the trainer's YAML (AReaL's config file); `rollgate up`'s stack.json (the Trainer
 address); defaults. A key in the YAML must be `${VAR}` (a literal key is refused, as in every
-rollgate file); the key itself comes from that variable.
+rollgate file), written `\${VAR}` in an AReaL file so that AReaL's OmegaConf keeps it as it is;
+the key itself comes from that variable.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _agent_section(raw: Mapping[str, Any]) -> Mapping[str, Any]:
 def _admin_key(section: Mapping[str, Any], env: Mapping[str, str]) -> str:
     raw = section.get("admin_key")
     if raw is not None and raw != "":
-        match = _VAR.match(str(raw).strip()) if isinstance(raw, str) else None
+        match = _VAR.match(_unescaped(raw).strip()) if isinstance(raw, str) else None
         if match is None:
             raise AdapterConfigError(
                 "rollgate.admin_key holds a literal key. Keys never live in configuration "
@@ -173,9 +174,15 @@ def _admin_key(section: Mapping[str, Any], env: Mapping[str, str]) -> str:
     return env.get("ROLLGATE_ADMIN_KEY") or env.get("ROLLGATE_TRAINER_KEY") or ""
 
 
+def _unescaped(value: str) -> str:
+    """`\\${VAR}` is how an AReaL file (OmegaConf resolves `${…}` itself) keeps `${VAR}`."""
+    return value.replace("\\${", "${")
+
+
 def _expand(value: Any, env: Mapping[str, str], where: str) -> Any:
     if not isinstance(value, str):
         return value
+    value = _unescaped(value)
 
     def one(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)

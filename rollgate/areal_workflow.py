@@ -329,6 +329,19 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         return source
 
 
+def with_rollgate_section(config_cls: type) -> type:
+    """AReaL's config class (PPOConfig, GRPOConfig, …) plus a `rollgate:` mapping, so that
+    `load_expr_config(argv, with_rollgate_section(PPOConfig))` accepts the section (AReaL's
+    structured config refuses keys it does not know)."""
+
+    @dataclass
+    class WithRollgate(config_cls):  # type: ignore[misc]
+        rollgate: dict[str, Any] = field(default_factory=dict)
+
+    WithRollgate.__name__ = WithRollgate.__qualname__ = config_cls.__name__
+    return WithRollgate
+
+
 def refuse_own_staleness_bound(stats: TrainerStats) -> None:
     """Raises StalenessConflict when rollgate's own staleness bound is configured."""
     if stats.max_head_offpolicyness is None:

@@ -291,7 +291,8 @@ async def test_a_restarted_trainer_gets_back_what_it_had_not_taken_and_not_what_
         sys.executable, str(script), stdout=asyncio.subprocess.PIPE, env=env
     )
     try:
-        await until(lambda: _capacity_is(stack, 1))  # the trainer's one call granted
+        # The trainer's one call granted (once it imported AReaL and torch: seconds).
+        await until(lambda: _capacity_is(stack, 1), timeout_s=180)
         async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
             await tc.grant_capacity(1)  # an agent that starts without a call waiting
         await traffic(stack, 2, task_id="restart")
