@@ -215,7 +215,9 @@ def parse_export_args(
         description="Write published trajectories to JSON Lines (one trajectory per line, "
         "packed arrays as lists). Reads with XRANGE only: nothing is consumed or acked. "
         "By default writes everything not yet exported under --name, remembered in Redis "
-        "(hash <prefix>export_cursors); --all or a range exports without the cursor.",
+        "(hash <prefix>export_cursors); --all or a range exports without the cursor. "
+        "The trainer adapters replay such a file in place of the live stream "
+        "(docs/training.md, Offline).",
     )
     _add_redis_args(parser, environ, stack_file)
     parser.add_argument("--out", required=True, help="output file ('-': standard output)")
