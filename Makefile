@@ -3,26 +3,30 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+AREAL_STAMP := $(VENV)/.installed-areal
 
 .PHONY: run test lint protos bench clean
 
 AREAL_VERSION := 1.0.4
 
-$(STAMP): pyproject.toml requirements-areal.txt
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	# AReaL's own classes for the adapter tests (docs/training.md, "AReaL"): areal pins an
-	# older torch than the CPU build here, so it goes in without its dependencies, beside
-	# what its modules import.
+	touch $(STAMP)
+
+# AReaL's own classes for the adapter tests only (docs/training.md, "AReaL"), so `make run`
+# never pulls torch: areal pins an older torch than the CPU build here, so it goes in without
+# its dependencies, beside what its modules import.
+$(AREAL_STAMP): $(STAMP) requirements-areal.txt
 	$(BIN)/python -m pip install --quiet -r requirements-areal.txt
 	$(BIN)/python -m pip install --quiet --no-deps areal==$(AREAL_VERSION)
-	touch $(STAMP)
+	touch $(AREAL_STAMP)
 
 run: $(STAMP)  ## the whole stack as local processes (embedded Redis, mock LLM unless configured)
 	$(BIN)/rollgate up $(ARGS)
 
-test: $(STAMP)  ## every test, against real Redis and real service processes
+test: $(AREAL_STAMP)  ## every test, against real Redis and real service processes
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
