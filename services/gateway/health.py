@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,7 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from protos import router_pb2
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
+from services.runtime.logs import get_logger
 from services.runtime.metrics import DURATION_BUCKETS
+from services.runtime.tasks import cancel_and_wait
+
+log = get_logger(__name__)
 
 # The status recorded for a request whose client went away before it finished.
 CLIENT_CLOSED_STATUS = 499
@@ -77,9 +82,56 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         )
 
 
+class LiveWorkers:
+    """The router's count of live workers, refreshed in the background for /health.
+
+    /health is the liveness probe: it answers from this cache and never waits on the router.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        # Monotonic time of the last successful refresh (None: never).
+        self.refreshed_at: float | None = None
+
+    def record(self, count: int) -> None:
+        """Stores a fresh count (also from /ready, which asks the router anyway)."""
+        self.count = count
+        self.refreshed_at = time.monotonic()
+
+    async def refresh(self, app: web.Application) -> None:
+        """Asks the router once; on failure the last count stays."""
+        try:
+            response = await app[BACKENDS].router.ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=app[SETTINGS].rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            log.debug("live_workers_refresh_failed", code=err.code().name)
+            return
+        self.record(sum(1 for worker in response.workers if worker.live))
+
+    async def run(self, app: web.Application) -> None:
+        """Refreshes every `health_workers_refresh_s` until cancelled."""
+        interval_s = app[SETTINGS].health_workers_refresh_s
+        while True:
+            await self.refresh(app)
+            await asyncio.sleep(interval_s)
+
+
+LIVE_WORKERS = web.AppKey("live_workers", LiveWorkers)
+
+
+async def live_workers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx (after the backends): the background refresh of /health's worker count."""
+    task = asyncio.create_task(app[LIVE_WORKERS].run(app), name="live-workers")
+    try:
+        yield
+    finally:
+        await cancel_and_wait(task)
+
+
 async def health(request: web.Request) -> web.Response:
-    """GET /health: the process answers."""
-    return json_response({"status": "ok"})
+    """GET /health: the process answers, with the live workers counted at the last refresh."""
+    return json_response({"status": "ok", "workers": request.app[LIVE_WORKERS].count})
 
 
 async def _check_serving(stub: Any, timeout_s: float) -> str | None:
@@ -101,6 +153,7 @@ async def _count_live_workers(request: web.Request, timeout_s: float) -> tuple[i
     except grpc.aio.AioRpcError as err:
         return 0, f"cannot list workers: {err.code().name}: {err.details()}"
     live = sum(1 for worker in response.workers if worker.live)
+    request.app[LIVE_WORKERS].record(live)
     return live, None if live else "no live worker is registered with the router"
 
 

@@ -37,6 +37,8 @@ class GatewaySettings:
     end_session_timeout_s: float = 30.0
     # Deadline for each health check behind /ready.
     ready_timeout_s: float = 2.0
+    # How often /health's cached count of live workers is refreshed from the router.
+    health_workers_refresh_s: float = 2.0
     route_cache_ttl_s: float = 5.0
     route_cache_size: int = 100_000
     # In-flight requests get this long to finish on shutdown.

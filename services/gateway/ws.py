@@ -47,6 +47,7 @@ from services.gateway.ws_protocol import (
     session_key,
 )
 from services.gateway.ws_runs import QUEUE_MODES, Message, RunResult, Runs
+from services.runtime.config import DEFAULT_MODEL_ALIAS
 from services.runtime.errors import (
     InvalidRequest,
     RollgateError,
@@ -90,7 +91,7 @@ _LINGER_POLL_S = 0.02
 
 
 class ModelPicker:
-    """The model runs use: the configured one, else the first model a live worker serves."""
+    """The model runs use: the configured one, else `default`, else the first one served."""
 
     def __init__(self, app: web.Application, config: WsConfig) -> None:
         self._app = app
@@ -111,7 +112,8 @@ class ModelPicker:
         models = sorted({m for w in listed.workers if w.live for m in w.models})
         if not models:
             raise Unavailable("no live worker serves a model yet", retry_after_s=1.0)
-        model = str(models[0])
+        # `default` is the configured default model (a worker's alias), when one serves it.
+        model = DEFAULT_MODEL_ALIAS if DEFAULT_MODEL_ALIAS in models else str(models[0])
         self._cached = (time.monotonic() + MODEL_CACHE_S, model)
         return model
 

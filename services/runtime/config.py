@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import yaml
 
 UPSTREAM_KINDS = ("vllm", "sglang", "openai")
+# The model name clients may send for "whatever this stack serves by default" (AReaL's scripts).
+DEFAULT_MODEL_ALIAS = "default"
 SGLANG_PATHS = ("chat", "generate")
 SERVICES = ("gateway", "router", "dataproxy", "worker")
 _VAR_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -118,6 +120,8 @@ class RollgateConfig:
     router: RouterConfig = RouterConfig()
     dataproxy: DataProxyConfig = DataProxyConfig()
     upstreams: tuple[UpstreamConfig, ...] = ()
+    # What `"model": "default"` means: a served id or alias; "" = the first upstream's first model.
+    default_model: str = ""
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
     # "rollgate" or "areal": the file's flavour.
@@ -421,6 +425,8 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
         _upstream(_Reader(u, f"worker.upstreams.{i}"), i) for i, u in enumerate(upstreams_raw)
     )
     _check_unique(upstreams)
+    default_model = worker.string("default_model")
+    _check_default_model(upstreams, default_model)
     config = RollgateConfig(
         admin_key_var=admin_key_var,
         admin_key=_resolve(admin_key_var, environ, "admin_key"),
@@ -448,6 +454,7 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
             trainer_key=_resolve(trainer_key_var, environ, "dataproxy.trainer_key"),
         ),
         upstreams=upstreams,
+        default_model=default_model,
         sampling=_sampling(worker.section("sampling")),
         rollout=RolloutConfig(
             batch_size=rollout.integer("batch_size"),
@@ -480,6 +487,47 @@ def _check_unique(upstreams: Sequence[UpstreamConfig]) -> None:
     names = [u.name for u in upstreams]
     if len(set(names)) != len(names):
         raise ConfigError(f"upstream names must be unique (got {', '.join(names)})")
+
+
+def _serves(upstream: UpstreamConfig, name: str) -> bool:
+    return name in upstream.models or any(alias == name for alias, _ in upstream.aliases)
+
+
+def _check_default_model(upstreams: Sequence[UpstreamConfig], default_model: str) -> None:
+    """`worker.default_model` names a model some upstream can serve, and no other upstream
+    already claims the name `default`."""
+    explicit = [u.name for u in upstreams if _serves(u, DEFAULT_MODEL_ALIAS)]
+    if default_model and explicit:
+        raise ConfigError(
+            f"worker.default_model={default_model!r}, but upstream {explicit[0]!r} already "
+            f"serves a model named {DEFAULT_MODEL_ALIAS!r}: remove one of the two"
+        )
+    if not default_model or any(_serves(u, default_model) for u in upstreams):
+        return
+    if upstreams and all(u.models for u in upstreams):
+        served = ", ".join(n for u in upstreams for n in (*u.models, *(a for a, _ in u.aliases)))
+        raise ConfigError(
+            f"worker.default_model={default_model!r} is not served by any upstream (served: "
+            f"{served}): name one of those, or add it to an upstream's models"
+        )
+
+
+def _default_for(config: RollgateConfig, upstream: UpstreamConfig) -> tuple[bool, str]:
+    """Whether this upstream's workers serve `default`, and as which model ("" = their first).
+
+    An explicit model or alias named `default` wins; else `worker.default_model` goes to the
+    upstream listing it (or to each upstream that asks its /models, which registers it only if
+    it serves it); without one, the first upstream's first model.
+    """
+    if any(_serves(u, DEFAULT_MODEL_ALIAS) for u in config.upstreams):
+        return False, ""
+    wanted = config.default_model
+    if wanted:
+        if _serves(upstream, wanted) or not upstream.models:
+            return True, wanted
+        return False, ""
+    first = config.upstreams[0] if config.upstreams else upstream
+    return first.name == upstream.name, ""
 
 
 def _resolve(var: str, environ: Mapping[str, str], where: str) -> str:
@@ -750,6 +798,9 @@ def worker_env(config: RollgateConfig, upstream: UpstreamConfig) -> dict[str, st
     _put(env, "ROLLGATE_UPSTREAM_API_KEY_VAR", upstream.api_key_var)
     _put(env, "ROLLGATE_UPSTREAM_MODELS", ",".join(upstream.models))
     _put(env, "ROLLGATE_UPSTREAM_ALIASES", ",".join(f"{a}={m}" for a, m in upstream.aliases))
+    serve_default, default_model = _default_for(config, upstream)
+    env["ROLLGATE_SERVE_DEFAULT_MODEL"] = "1" if serve_default else "0"
+    _put(env, "ROLLGATE_DEFAULT_MODEL", default_model)
     _put(env, "ROLLGATE_UPSTREAM_TOKENIZER", upstream.tokenizer)
     if upstream.kind == "sglang":
         _put(env, "ROLLGATE_SGLANG_PATH", upstream.sglang_path)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from protos import router_pb2_grpc, worker_pb2_grpc
+from services.runtime.config import DEFAULT_MODEL_ALIAS
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
@@ -38,17 +39,40 @@ class RunningWorker:
     address: str
 
 
-def _with_aliases(models: list[str], settings: WorkerSettings) -> list[str]:
-    """The served ids plus the aliases (an alias is a model name the router routes here)."""
-    if not models:
+def default_alias(served: Sequence[str], settings: WorkerSettings) -> tuple[str, str] | None:
+    """(`default`, the model it stands for) when this worker serves the name `default`.
+
+    None when it is off here, when the upstream's models are unknown, when a model or alias
+    already has that name, or when the configured default model is not served here.
+    """
+    if not settings.serve_default_model or not served:
+        return None
+    if DEFAULT_MODEL_ALIAS in served or any(
+        alias == DEFAULT_MODEL_ALIAS for alias, _ in settings.upstream_aliases
+    ):
+        return None
+    target = dict(settings.upstream_aliases).get(settings.default_model, settings.default_model)
+    if not target:
+        return DEFAULT_MODEL_ALIAS, served[0]
+    if target in served:
+        return DEFAULT_MODEL_ALIAS, target
+    log.warning(
+        "default_model_not_served", default_model=settings.default_model, served=list(served)
+    )
+    return None
+
+
+def model_names(served: Sequence[str], aliases: Sequence[tuple[str, str]]) -> list[str]:
+    """What the worker registers: the served ids plus the aliases ([] = any model)."""
+    if not served:
         return []
-    return models + [a for a, _ in settings.upstream_aliases if a not in models]
+    return [*served, *(a for a, _ in aliases if a not in served)]
 
 
-async def discover_models(upstream: UpstreamClient, settings: WorkerSettings) -> list[str]:
-    """The configured models (and aliases), else the upstream's /models, else [] (any model)."""
+async def served_models(upstream: UpstreamClient, settings: WorkerSettings) -> list[str]:
+    """The configured models, else the upstream's /models, else [] (any model)."""
     if settings.upstream_models:
-        return _with_aliases(list(settings.upstream_models), settings)
+        return list(settings.upstream_models)
     try:
         models = await upstream.list_models(timeout_s=settings.models_timeout_s)
     except Exception as err:  # any failure here only widens what the worker claims to serve
@@ -60,10 +84,12 @@ async def discover_models(upstream: UpstreamClient, settings: WorkerSettings) ->
         )
         return []
     log.info("upstream_models", models=models)
-    return _with_aliases(models, settings)
+    return models
 
 
-def build_runner(upstream: UpstreamClient, settings: WorkerSettings) -> TurnRunner:
+def build_runner(
+    upstream: UpstreamClient, settings: WorkerSettings, aliases: Sequence[tuple[str, str]]
+) -> TurnRunner:
     """The turn runner for the configured upstream kind, aliases, defaults and group size."""
     tokenizer = LocalTokenizer(settings.tokenizer_path) if settings.tokenizer_path else None
     adapter = adapter_for(
@@ -75,7 +101,7 @@ def build_runner(upstream: UpstreamClient, settings: WorkerSettings) -> TurnRunn
             "the sglang generate path: use sglang_path: chat or kind: vllm"
         )
     policy = RequestPolicy(
-        aliases=dict(settings.upstream_aliases),
+        aliases=dict(aliases),
         default_max_tokens=settings.default_max_tokens,
         default_temperature=settings.default_temperature,
         n_samples=settings.n_samples,
@@ -104,8 +130,13 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
                 key_var=settings.upstream_api_key_var,
             )
         )
-        runner = build_runner(upstream, settings)
-        models = await discover_models(upstream, settings)
+        served = await served_models(upstream, settings)
+        aliases = list(settings.upstream_aliases)
+        default = default_alias(served, settings)
+        if default is not None:
+            aliases.append(default)
+        runner = build_runner(upstream, settings, aliases)
+        models = model_names(served, aliases)
         metrics = ServiceMetrics("worker")
         worker_metrics(metrics, runner)
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
@@ -145,6 +176,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
             upstream_kind=settings.upstream_kind,
             upstream_name=settings.upstream_name,
             models=models,
+            default_model=default[1] if default is not None else None,
             upstream_key_var=settings.upstream_api_key_var,
             upstream_key_set=bool(settings.upstream_api_key),
             n_samples=settings.n_samples,

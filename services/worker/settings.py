@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from services.runtime.config import normalize_base_url as config_base_url
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
-from services.runtime.settings import env_float, env_int, env_str
+from services.runtime.settings import env_bool, env_float, env_int, env_str
 
 UPSTREAM_KINDS = ("openai", "vllm", "sglang")
 DEFAULT_KEY_VAR = "ROLLGATE_UPSTREAM_API_KEY"
@@ -88,6 +88,10 @@ class WorkerSettings:
     upstream_name: str = ""
     # (alias, served id): registered with the router as models, rewritten before forwarding.
     upstream_aliases: tuple[tuple[str, str], ...] = ()
+    # Serve the model name `default` as an alias (AReaL's scripts send it) of `default_model`,
+    # "" = the first served model. Off for the other upstreams of a multi-upstream file.
+    serve_default_model: bool = True
+    default_model: str = ""
     # A local tokenizer.json (openai: ids for the record; sglang generate: input_ids).
     tokenizer_path: str = ""
     # sglang: "chat" (OpenAI endpoint) or "generate" (native /generate with input_ids).
@@ -156,6 +160,8 @@ class WorkerSettings:
             upstream_kind=kind,
             upstream_name=env_str(environ, "ROLLGATE_UPSTREAM_NAME", ""),
             upstream_aliases=parse_aliases(env_str(environ, "ROLLGATE_UPSTREAM_ALIASES", "")),
+            serve_default_model=env_bool(environ, "ROLLGATE_SERVE_DEFAULT_MODEL", True),
+            default_model=env_str(environ, "ROLLGATE_DEFAULT_MODEL", ""),
             tokenizer_path=tokenizer,
             sglang_path=sglang_path,
             default_max_tokens=_optional_int(environ, "ROLLGATE_DEFAULT_MAX_TOKENS"),

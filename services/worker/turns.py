@@ -199,6 +199,11 @@ class TurnRunner:
         self.length_mismatches = 0
 
     @property
+    def policy(self) -> RequestPolicy:
+        """The aliases and defaults applied to every request."""
+        return self._policy
+
+    @property
     def in_flight(self) -> int:
         """Turns running now (reported on heartbeats)."""
         return self._in_flight

@@ -165,7 +165,9 @@ def test_two_upstreams_an_alias_and_a_key_from_one_config_file(
     streamed = chat(stack, key, VLLM_MODEL, stream=True)
     aliased = chat(stack, key, "qwen3", stream=False)
     hosted = chat(stack, key, HOSTED_MODEL, stream=True)
-    for status, body in (streamed, aliased, hosted):
+    # No worker.default_model: `default` is the first upstream's first model.
+    default = chat(stack, key, "default", stream=False)
+    for status, body in (streamed, aliased, hosted, default):
         assert status == 200, body
     assert json.loads(aliased[1])["choices"][0]["message"]["content"]
     # The hosted mock sends its usage chunk with `choices: null`: it still reaches the client.
@@ -175,20 +177,20 @@ def test_two_upstreams_an_alias_and_a_key_from_one_config_file(
     status, raw = chat(stack, key, "no-such-model", stream=False)
     assert status == 404, raw
     message = json.loads(raw)["error"]["message"]
-    for name in (VLLM_MODEL, "qwen3", HOSTED_MODEL):
+    for name in (VLLM_MODEL, "qwen3", HOSTED_MODEL, "default"):
         assert name in message
 
     # Each upstream got exactly its own requests; the alias arrived as the served id.
     vllm_stats = json.loads(call(f"http://127.0.0.1:{mocks['vllm']}/mock/stats")[1])
     hosted_stats = json.loads(call(f"http://127.0.0.1:{mocks['openai']}/mock/stats")[1])
-    assert vllm_stats["models"] == {VLLM_MODEL: 2}
+    assert vllm_stats["models"] == {VLLM_MODEL: 3}
     assert hosted_stats["models"] == {HOSTED_MODEL: 1}
 
     status, raw = call(f"{stack.gateway_url}/rl/end_session", {}, key)
     assert status == 200, raw
     interactions = published(stack, json.loads(raw)["trajectory_id"])
-    assert [i.upstream_kind for i in interactions] == ["vllm", "vllm", "openai"]
-    for exact in interactions[:2]:
+    assert [i.upstream_kind for i in interactions] == ["vllm", "vllm", "openai", "vllm"]
+    for exact in (*interactions[:2], interactions[3]):
         assert exact.model == VLLM_MODEL
         assert exact.exact_tokens and not exact.length_mismatch
         assert exact.prompt_token_ids and len(exact.output_token_ids) == len(exact.output_logprobs)

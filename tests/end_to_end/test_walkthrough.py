@@ -9,12 +9,15 @@ import subprocess
 import sys
 import time
 import urllib.parse
+import uuid
 from pathlib import Path
 from typing import Any
 
+import msgpack  # type: ignore[import-untyped]
 import redis
 
 from rollgate.stack import Stack
+from rollgate.trajectory import inline_content
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "openclaw"
@@ -211,3 +214,65 @@ def test_models_lists_the_mock_model(stack: Stack) -> None:
     status, _, raw = request(stack, "GET", "/v1/models", key=stack.config.admin_key)
     assert status == 200, raw
     assert MODEL in [m["id"] for m in json.loads(raw)["data"]]
+
+
+def test_areals_demo_lifecycle_requests_work_unchanged(stack: Stack) -> None:
+    """The requests AReaL's examples/openclaw/demo_lifecycle.py sends with its defaults (no
+    --model, so `"model": "default"`), in its order, and the fields it reads back."""
+    deadline = time.monotonic() + 20
+    while True:
+        status, _, raw = request(stack, "GET", "/health")
+        assert status == 200
+        workers = json.loads(raw).get("workers", "?")
+        if workers == stack.config.workers:
+            break
+        assert time.monotonic() < deadline, raw
+        time.sleep(0.1)
+    admin = stack.config.admin_key
+    chat = {
+        "model": "default",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are a helpful math tutor. Show your work step by step.",
+            },
+            {"role": "user", "content": "Solve step by step: What is 12 * 15 + 3?"},
+        ],
+        "temperature": 0.7,
+        "max_tokens": 512,
+    }
+    key: str | None = None
+    completion_ids = []
+    for _ in range(2):
+        start: dict[str, Any] = {
+            "task_id": "demo-task",
+            "request_id": f"openclaw-demo-{uuid.uuid4()}",
+            "request_expires_at": time.time() + 300.0,
+        }
+        if key is not None:
+            start["api_key"] = key
+        status, _, raw = request(stack, "POST", "/rl/start_session", start, admin)
+        assert status == 200, raw
+        started = json.loads(raw)
+        assert started["session_id"] and (key is None or started["api_key"] == key)
+        key = started["api_key"]
+        status, _, raw = request(stack, "POST", "/chat/completions", chat, key)
+        assert status == 200, raw
+        completion = json.loads(raw)
+        assert completion["choices"][0]["message"]["content"]
+        assert completion["model"] == MODEL
+        completion_ids.append(completion["id"])
+        status, _, raw = request(stack, "POST", "/rl/set_reward", {"reward": 1.0}, key)
+        assert status == 200, raw
+    # The refresh published episode 1; it records the real model, not the alias.
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        entries: Any = client.xrange(f"{stack.config.redis_prefix}trajectories")
+    finally:
+        client.close()
+    episodes = [
+        inline_content(msgpack.unpackb(fields[b"data"], raw=False)) for _, fields in entries
+    ]
+    [first] = [t for t in episodes if t["interactions"][0]["interaction_id"] == completion_ids[0]]
+    assert first["interactions"][0]["model"] == MODEL
+    assert first["interactions"][0]["reward"] == 1.0

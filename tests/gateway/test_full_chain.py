@@ -124,7 +124,7 @@ async def test_session_lifecycle_through_the_gateway(
         assert resp.status == 200
         models = await resp.json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [m["id"] for m in models["data"]] == ["default", MODEL]
     assert models["data"][0]["owned_by"] == "rollgate"
 
     refreshed = await _start(stack, task_id="task-a", api_key=key)
@@ -177,7 +177,35 @@ async def test_unknown_session_key_is_401(stack: Stack, stream: bool) -> None:
 async def test_models_with_the_admin_key_lists_live_models(stack: Stack) -> None:
     async with stack.http.get(stack.url + "/models", headers=_auth(ADMIN_KEY)) as resp:
         assert resp.status == 200
-        assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+        assert [m["id"] for m in (await resp.json())["data"]] == ["default", MODEL]
+
+
+async def test_default_is_an_alias_of_the_first_served_model(stack: Stack) -> None:
+    key = (await _start(stack))["api_key"]
+    for stream in (False, True):
+        body = _chat_body("hi", stream=stream) | {"model": "default"}
+        async with stack.http.post(
+            stack.url + "/v1/chat/completions", json=body, headers=_auth(key)
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            raw = await resp.read()
+        first = orjson.loads(raw.split(b"data: ", 1)[1].split(b"\n", 1)[0] if stream else raw)
+        assert first["model"] == MODEL
+    # The upstream got the served id, never the alias.
+    assert stack.mock.stats.models == {MODEL: 2}
+
+
+async def test_health_reports_the_live_workers_without_asking_the_router(stack: Stack) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while True:
+        async with stack.http.get(stack.url + "/health") as resp:
+            assert resp.status == 200
+            body = await resp.json()
+        if body["workers"] == 1:
+            break
+        assert time.monotonic() < deadline, body
+        await asyncio.sleep(0.05)
+    assert body == {"status": "ok", "workers": 1}
 
 
 async def test_unknown_model_is_404_from_the_router(stack: Stack) -> None:

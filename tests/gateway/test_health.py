@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import time
+from collections.abc import Iterator
 
-from tests.gateway.conftest import Gateway
+import aiohttp
+import pytest
+
+from services.gateway.app import GatewayServer
+from tests.gateway.conftest import Gateway, gateway_settings
+
+
+@pytest.fixture
+def blackhole_address() -> Iterator[str]:
+    """host:port that accepts TCP connections (the kernel's backlog) and never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 async def test_health_is_ok_without_backends(gateway_without_backends: Gateway) -> None:
@@ -12,7 +28,21 @@ async def test_health_is_ok_without_backends(gateway_without_backends: Gateway) 
     async with gateway.http.get(gateway.url + "/health") as resp:
         assert resp.status == 200
         assert resp.content_type == "application/json"
-        assert await resp.json() == {"status": "ok"}
+        assert await resp.json() == {"status": "ok", "workers": 0}
+
+
+async def test_health_answers_while_the_router_never_does(blackhole_address: str) -> None:
+    # A router that accepts connections and never speaks: every RPC to it hangs until its
+    # deadline, here far longer than the test's own timeout. /health must not wait on it.
+    settings = dataclasses.replace(
+        gateway_settings(router_addr=blackhole_address, dataproxy_addr=blackhole_address),
+        rpc_timeout_s=3600.0,
+    )
+    async with GatewayServer(settings) as server, aiohttp.ClientSession() as http:
+        for _ in range(3):
+            async with http.get(f"http://127.0.0.1:{server.port}/health") as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"status": "ok", "workers": 0}
 
 
 async def test_ready_is_503_naming_every_missing_part(gateway_without_backends: Gateway) -> None:

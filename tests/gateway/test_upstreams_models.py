@@ -99,4 +99,13 @@ async def test_the_model_picks_the_upstream_and_an_alias_reaches_its_served_mode
         two_upstreams.url + "/v1/models", headers=_auth(ADMIN_KEY)
     ) as resp:
         listed = sorted(m["id"] for m in (await resp.json())["data"])
-    assert listed == ["alias-a", "org/model-a", "org/model-b"]
+    assert listed == ["alias-a", "default", "org/model-a", "org/model-b"]
+
+
+async def test_default_reaches_the_first_upstream_only(two_upstreams: TwoUpstreams) -> None:
+    key = await _key(two_upstreams)
+    for stream in (False, True):
+        status, _ = await _chat(two_upstreams, key, "default", stream=stream)
+        assert status == 200
+    assert two_upstreams.mock_a.stats.models == {"org/model-a": 2}
+    assert two_upstreams.mock_b.stats.requests == 0

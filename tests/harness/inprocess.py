@@ -222,7 +222,7 @@ async def running_full_chain(
         )
         proxy_addr = f"127.0.0.1:{proxy.port}"
         mocks = []
-        for upstream in upstreams:
+        for index, upstream in enumerate(upstreams):
             mock = await exits.enter_async_context(MockLLM(port=0, model=upstream.model))
             await exits.enter_async_context(
                 worker_serving(
@@ -233,6 +233,8 @@ async def running_full_chain(
                         upstream_base_url=mock.base_url,
                         upstream_models=(mock.model,),
                         upstream_aliases=upstream.aliases,
+                        # As a configuration file does it: `default` is the first upstream's.
+                        serve_default_model=index == 0,
                         grace_s=1.0,
                     )
                 )

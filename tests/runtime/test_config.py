@@ -135,6 +135,46 @@ def test_validation_messages_say_what_is_wrong(override: str, message: str) -> N
         load_config(text=CONFIG, environ=ENV, overrides=[override])
 
 
+def _default_of(config: object, upstream: str) -> tuple[bool, str]:
+    env = {**settings_env(config, "worker", upstream=upstream), **ENV}  # type: ignore[arg-type]
+    settings = WorkerSettings.from_env(env)
+    return settings.serve_default_model, settings.default_model
+
+
+def test_default_is_the_first_upstreams_first_model_unless_the_file_names_one() -> None:
+    config = load_config(text=CONFIG, environ=ENV)
+    assert config.default_model == ""
+    assert _default_of(config, "local") == (True, "")
+    assert _default_of(config, "hosted") == (False, "")
+    named = load_config(text=CONFIG, environ=ENV, overrides=["worker.default_model=deepseek-v3"])
+    assert _default_of(named, "local") == (False, "")
+    assert _default_of(named, "hosted") == (True, "deepseek-v3")
+    # An alias names its upstream's model (the worker resolves it).
+    aliased = load_config(text=CONFIG, environ=ENV, overrides=["worker.default_model=qwen"])
+    assert _default_of(aliased, "local") == (True, "qwen")
+    assert _default_of(aliased, "hosted") == (False, "")
+
+
+def test_an_explicit_default_alias_wins_and_cannot_be_combined_with_default_model() -> None:
+    explicit = ["worker.upstreams.1.aliases.default=deepseek-v3"]
+    config = load_config(text=CONFIG, environ=ENV, overrides=explicit)
+    assert _default_of(config, "local") == (False, "")
+    settings = WorkerSettings.from_env({**settings_env(config, "worker", upstream="hosted"), **ENV})
+    assert ("default", "deepseek-v3") in settings.upstream_aliases
+    with pytest.raises(ConfigError, match="already serves a model named 'default'"):
+        load_config(text=CONFIG, environ=ENV, overrides=[*explicit, "worker.default_model=qwen"])
+
+
+def test_a_default_model_no_upstream_serves_is_refused_naming_the_served_ones() -> None:
+    with pytest.raises(ConfigError, match=r"not served by any upstream.*Qwen/Qwen3-8B, qwen"):
+        load_config(text=CONFIG, environ=ENV, overrides=["worker.default_model=gpt-9"])
+    # An upstream that asks its /models might serve it: it registers `default` if it does.
+    discovering = ["worker.upstreams.1.models=[]", "worker.default_model=gpt-9"]
+    config = load_config(text=CONFIG, environ=ENV, overrides=discovering)
+    assert _default_of(config, "hosted") == (True, "gpt-9")
+    assert _default_of(config, "local") == (False, "")
+
+
 AREAL = """
 experiment_name: openclaw
 actor: {path: Qwen/Qwen3-0.6B}

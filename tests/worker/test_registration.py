@@ -6,8 +6,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import orjson
+import pytest
 
 from protos import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from rollgate.mock_llm import MockLLM
@@ -94,7 +96,8 @@ async def test_worker_registers_its_upstream_models_heartbeats_and_deregisters_o
             workers = await eventually_listed(stub, lambda ws: "w-test" in ws)
             info = workers["w-test"]
             assert info.address == worker.address == f"127.0.0.1:{worker.server.port}"
-            assert list(info.models) == ["mock-model"]
+            # Discovered from the upstream's /models, and `default` standing for the first.
+            assert list(info.models) == ["mock-model", "default"]
             assert info.live
             beats = worker.registration.heartbeats
             await wait_until(lambda: worker.registration.heartbeats >= beats + 3)
@@ -110,7 +113,43 @@ async def test_configured_models_are_registered_without_asking_the_upstream(
     settings = worker_settings(router_port, "http://127.0.0.1:9/v1", upstream_models=("a", "b"))
     async with router(redis_url, key_prefix, port=router_port) as stub, worker_serving(settings):
         workers = await eventually_listed(stub, lambda ws: "w-test" in ws)
-    assert list(workers["w-test"].models) == ["a", "b"]
+    assert list(workers["w-test"].models) == ["a", "b", "default"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "registered", "default_is"),
+    [
+        ({"default_model": "b"}, ["a", "b", "default"], "b"),
+        (
+            {"default_model": "qwen3", "upstream_aliases": (("qwen3", "b"),)},
+            ["a", "b", "qwen3", "default"],
+            "b",
+        ),
+        ({"default_model": "not-here"}, ["a", "b"], None),
+        ({"serve_default_model": False}, ["a", "b"], None),
+        ({"upstream_aliases": (("default", "b"),)}, ["a", "b", "default"], "b"),
+    ],
+    ids=["named", "through-an-alias", "not-served-here", "off", "explicit-alias"],
+)
+async def test_default_is_registered_only_where_it_is_served(
+    redis_url: str,
+    key_prefix: str,
+    overrides: dict[str, Any],
+    registered: list[str],
+    default_is: str | None,
+) -> None:
+    router_port = free_port()
+    settings = worker_settings(
+        router_port, "http://127.0.0.1:9/v1", upstream_models=("a", "b"), **overrides
+    )
+    async with (
+        router(redis_url, key_prefix, port=router_port) as stub,
+        worker_serving(settings) as worker,
+    ):
+        workers = await eventually_listed(stub, lambda ws: "w-test" in ws)
+        aliases = dict(worker.runner.policy.aliases)
+    assert list(workers["w-test"].models) == registered
+    assert aliases.get("default") == default_is
 
 
 async def test_an_unreachable_upstream_at_start_registers_for_any_model(
