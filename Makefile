@@ -5,7 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 AREAL_STAMP := $(VENV)/.installed-areal
 
-.PHONY: run test lint protos bench clean
+ENGINE_VENV ?= .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+.PHONY: run test test-engine lint protos bench clean
 
 AREAL_VERSION := 1.0.4
 
@@ -29,6 +32,14 @@ run: $(STAMP)  ## the whole stack as local processes (embedded Redis, mock LLM u
 test: $(AREAL_STAMP)  ## every test, against real Redis and real service processes
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# vLLM (CPU) in a venv of its own: it pins its own torch and transformers.
+$(ENGINE_STAMP): tests/engine/requirements.txt tests/engine/overrides.txt tests/engine/install.sh
+	PYTHON=$(PYTHON) bash tests/engine/install.sh $(ENGINE_VENV)
+	touch $(ENGINE_STAMP)
+
+test-engine: $(STAMP) $(ENGINE_STAMP)  ## rollgate in front of a real vLLM on a tiny model built here
+	ROLLGATE_ENGINE_PYTHON=$(ENGINE_VENV)/bin/python $(BIN)/python -m pytest tests/engine $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -41,4 +52,4 @@ bench: $(STAMP)  ## rollgate vs the mock called directly vs the floor (bench/flo
 	$(BIN)/python bench/run.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -218,7 +218,9 @@ def _first_model(gateway_url: str, admin_key: str) -> str:
             models = json.loads(resp.read())["data"]
     except (OSError, ValueError, KeyError):
         return "<model>"
-    return str(models[0]["id"]) if models else "<model>"
+    # `default` is an alias: the banner names the model it stands for.
+    names = [str(m["id"]) for m in models if m.get("id") != "default"] or ["default"]
+    return names[0] if models else "<model>"
 
 
 def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:

@@ -16,6 +16,10 @@ from rollgate.redis_server import RedisServer
 # a metrics port set it explicitly (the stack gives every process its own).
 os.environ.setdefault("ROLLGATE_METRICS_PORT", "0")
 
+# The real-engine suite (tests/engine) needs vLLM's own venv: `make test-engine` builds it and
+# names its python here. `make test` leaves the suite out.
+collect_ignore = [] if os.environ.get("ROLLGATE_ENGINE_PYTHON") else ["engine"]
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:

@@ -1,5 +1,6 @@
 """.ci/run prepares what `make test` needs (Python >= 3.11, a working venv) and then runs
-exactly `make test`: run here with stand-ins for python3, apt-get and make on PATH."""
+exactly the README's `make test` and `make test-engine`: run here with stand-ins for python3,
+apt-get and make on PATH."""
 
 from __future__ import annotations
 
@@ -77,12 +78,12 @@ def test_python_older_than_3_11_fails_with_a_clear_message_before_make(tmp_path:
 
 
 @pytest.mark.parametrize("venv_ok", [True, False])
-def test_a_broken_venv_is_fixed_with_apt_get_then_exactly_make_test_runs(
+def test_a_broken_venv_is_fixed_with_apt_get_then_exactly_the_two_test_targets_run(
     tmp_path: Path, venv_ok: bool
 ) -> None:
     done = _run(tmp_path, version="3.12", venv_ok=venv_ok)
     assert done.returncode == 0, done.stderr
-    assert _log(tmp_path, "make.log") == ["test"]
+    assert _log(tmp_path, "make.log") == ["test", "test-engine"]
     installs = [line for line in _log(tmp_path, "apt.log") if "install" in line]
     if venv_ok:
         assert installs == []  # nothing to install

@@ -1,0 +1,321 @@
+"""rollgate in front of a real vLLM: what the client received through rollgate is what the
+trajectory records, and at temperature 0 it is what vLLM answers when asked directly.
+
+Every direct request runs one at a time, after the gateway's, so batching cannot change a
+greedy choice between the two.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from rollgate.stack import Stack
+from rollgate.trajectory import Interaction
+from tests.engine.client import (
+    Seen,
+    as_float32,
+    chat,
+    end_and_read,
+    from_completion,
+    from_stream,
+    start_session,
+)
+from tests.engine.conftest import MODEL, OPENAI_MODEL, Vllm, http_call
+
+LOGPROB_TOLERANCE = 1e-3
+EOS = "<|im_end|>"
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_flag",
+        "description": "Sets the flag.",
+        "parameters": {
+            "type": "object",
+            "properties": {"on": {"type": "boolean"}},
+            "required": ["on"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def body(text: str, **extra: Any) -> dict[str, Any]:
+    """A greedy chat request for the kind: vllm upstream, asking for logprobs and ids."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def through(stack: Stack, key: str, request: dict[str, Any]) -> dict[int, Seen]:
+    """The request through rollgate's gateway."""
+    return chat(stack.gateway_url + "/v1/chat/completions", request, key)
+
+
+def direct(vllm: Vllm, request: dict[str, Any]) -> dict[int, Seen]:
+    """The same request straight to vLLM, streamed or not as asked."""
+    return chat(vllm.base_url + "/v1/chat/completions", request)
+
+
+def assert_recorded(interaction: Interaction, seen: Seen) -> None:
+    """The record holds exactly the ids and logprobs the client received."""
+    assert seen.token_ids is not None and seen.prompt_token_ids
+    assert interaction.output_token_ids == seen.token_ids
+    assert interaction.prompt_token_ids == seen.prompt_token_ids
+    assert interaction.output_logprobs == as_float32(seen.logprobs)
+    assert len(interaction.output_logprobs) == len(interaction.output_token_ids)
+    assert interaction.exact_tokens and not interaction.length_mismatch
+    assert interaction.upstream_kind == "vllm" and interaction.model == MODEL
+    assert interaction.finish_reason == seen.finish_reason
+
+
+def assert_same_as_direct(seen: Seen, alone: Seen) -> None:
+    """Greedy: the same ids; the logprobs within the tolerance."""
+    assert seen.token_ids == alone.token_ids
+    assert seen.prompt_token_ids == alone.prompt_token_ids
+    assert seen.logprobs == pytest.approx(alone.logprobs, abs=LOGPROB_TOLERANCE)
+    assert seen.finish_reason == alone.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_greedy_chat_records_what_the_client_got_and_what_vllm_answers_directly(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    key = start_session(stack, "engine-chat")
+    request = body("Hello! How are you?", stream=stream, ignore_eos=True)
+    if stream:
+        request["stream_options"] = {"include_usage": True}
+    seen = through(stack, key, request)
+    alone = direct(vllm, request)
+    [interaction] = end_and_read(stack, key)
+    assert set(seen) == {0}
+    assert len(seen[0].token_ids or []) == 12 and seen[0].finish_reason == "length"
+    assert_recorded(interaction, seen[0])
+    assert_same_as_direct(seen[0], alone[0])
+    assert interaction.output["content"] == seen[0].content
+    assert interaction.usage["completion_tokens"] == 12
+    # top_logprobs (2 asked): vLLM puts the sampled token first, then the best other one.
+    for token, logprob, top in zip(
+        seen[0].tokens, seen[0].logprobs, seen[0].top_logprobs, strict=True
+    ):
+        assert len(top) == 2 and (top[0]["token"], top[0]["logprob"]) == (token, logprob)
+
+
+def test_the_client_that_asks_for_nothing_gets_no_ids_and_the_record_still_has_them(
+    stack: Stack, vllm: Vllm
+) -> None:
+    key = start_session(stack, "engine-plain-client")
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is 12 * 15 + 3?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    status, raw = http_call(stack.gateway_url + "/v1/chat/completions", request, key)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert "prompt_token_ids" not in answer
+    assert "token_ids" not in answer["choices"][0]
+    assert answer["choices"][0]["logprobs"] is None
+    [interaction] = end_and_read(stack, key)
+    alone = direct(vllm, body("What is 12 * 15 + 3?", max_tokens=8, ignore_eos=True))[0]
+    assert interaction.output_token_ids == alone.token_ids
+    assert interaction.prompt_token_ids == alone.prompt_token_ids
+    assert interaction.output_logprobs == pytest.approx(alone.logprobs, abs=LOGPROB_TOLERANCE)
+    assert interaction.exact_tokens and answer["model"] == MODEL
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_n_2_records_choice_0_as_the_client_got_it(stack: Stack, vllm: Vllm, stream: bool) -> None:
+    key = start_session(stack, "engine-n2")
+    request = body("Hi", n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    request["stream"] = stream
+    seen = through(stack, key, request)
+    alone = direct(vllm, request)
+    [interaction] = end_and_read(stack, key)
+    assert set(seen) == {0, 1}
+    assert_recorded(interaction, seen[0])
+    # Seeded sampling: the same samples when asked directly.
+    for index in (0, 1):
+        assert_same_as_direct(seen[index], alone[index])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_stop_string_ends_the_answer_and_its_token_is_recorded(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    probe = direct(vllm, body("Tell me about Paris.", max_tokens=16, ignore_eos=True))[0]
+    # A stop string the greedy answer reaches at its fourth token, not earlier.
+    stop_at = next(
+        i
+        for i, token in enumerate(probe.tokens)
+        if i >= 3 and token.strip() and token not in "".join(probe.tokens[:i])
+    )
+    stop = probe.tokens[stop_at]
+    key = start_session(stack, "engine-stop")
+    request = body("Tell me about Paris.", max_tokens=16, stop=[stop], stream=stream)
+    seen = through(stack, key, request)
+    alone = direct(vllm, request)
+    [interaction] = end_and_read(stack, key)
+    assert seen[0].finish_reason == "stop" and seen[0].stop_reason == stop
+    # The token that matched is sampled (and recorded) but its text is not in the content.
+    assert probe.token_ids is not None
+    assert seen[0].token_ids == probe.token_ids[: stop_at + 1]
+    assert not seen[0].content.endswith(stop)
+    assert_recorded(interaction, seen[0])
+    assert_same_as_direct(seen[0], alone[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_eos_is_recorded_though_its_text_never_reaches_the_content(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    eos = vllm.tokenizer.token_to_id(EOS)
+    key = start_session(stack, "engine-eos")
+    request = body("Hello!", logit_bias={str(eos): 100}, stream=stream)
+    seen = through(stack, key, request)
+    [interaction] = end_and_read(stack, key)
+    assert seen[0].token_ids == [eos] and seen[0].finish_reason == "stop"
+    assert seen[0].content == "" and seen[0].tokens == [EOS]
+    assert_recorded(interaction, seen[0])
+
+
+def test_a_length_limit_records_exactly_max_tokens(stack: Stack, vllm: Vllm) -> None:
+    key = start_session(stack, "engine-length")
+    request = body("Count: 1 2 3", max_tokens=3, ignore_eos=True, stream=True)
+    request["stream_options"] = {"include_usage": True}
+    seen = through(stack, key, request)
+    [interaction] = end_and_read(stack, key)
+    assert len(interaction.output_token_ids) == 3 and interaction.finish_reason == "length"
+    assert interaction.usage["completion_tokens"] == 3
+    assert_recorded(interaction, seen[0])
+
+
+def _fragment_prompt(vllm: Vllm) -> tuple[str, int]:
+    """A prompt whose greedy answer has a lone UTF-8 fragment token, and its position."""
+    # Chinese, French, Japanese, Russian, an emoji, Greek: multi-byte characters.
+    texts = (
+        "\u4f60\u597d\uff0c\u4e16\u754c",
+        "Caf\u00e9, na\u00efve",
+        "\u3053\u3093\u306b\u3061\u306f",
+        "\u041f\u0440\u0438\u0432\u0435\u0442",
+        "Emoji: \U0001f642",
+        "\u0393\u03b5\u03b9\u03ac",
+    )
+    for text in texts:
+        seen = direct(vllm, body(text, max_tokens=16, ignore_eos=True))[0]
+        for position, token_id in enumerate(seen.token_ids or []):
+            # Decoded alone, a fragment is not valid UTF-8; vLLM then sends no bytes for it.
+            alone = vllm.tokenizer.decode([token_id], skip_special_tokens=False)
+            if "\ufffd" in alone and seen.token_bytes[position] == []:
+                return text, position
+    raise AssertionError("no prompt made the tiny model sample a lone UTF-8 fragment")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_lone_utf8_fragment_token_is_recorded_by_id_with_its_logprob(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    text, position = _fragment_prompt(vllm)
+    key = start_session(stack, "engine-fragment")
+    request = body(text, max_tokens=16, ignore_eos=True, stream=stream)
+    seen = through(stack, key, request)
+    alone = direct(vllm, request)
+    [interaction] = end_and_read(stack, key)
+    # vLLM names the fragment "" with no bytes; its id and logprob are still the sample's.
+    assert seen[0].tokens[position] == "" and seen[0].token_bytes[position] == []
+    assert "".join(seen[0].tokens) != seen[0].content
+    assert_recorded(interaction, seen[0])
+    assert_same_as_direct(seen[0], alone[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_forced_tool_call_is_recorded_with_its_ids_and_the_tools(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    key = start_session(stack, "engine-tools")
+    choice = {"type": "function", "function": {"name": "set_flag"}}
+    request = body("Set the flag.", max_tokens=32, tools=[TOOL], tool_choice=choice, stream=stream)
+    seen = through(stack, key, request)
+    alone = direct(vllm, request)
+    [interaction] = end_and_read(stack, key)
+    [call] = seen[0].tool_calls
+    assert call["function"]["name"] == "set_flag"
+    assert json.loads(call["function"]["arguments"]) in ({"on": True}, {"on": False})
+    assert_recorded(interaction, seen[0])
+    assert_same_as_direct(seen[0], alone[0])
+    assert interaction.tools == [TOOL]
+    [recorded] = interaction.output["tool_calls"]
+    assert recorded["function"] == call["function"]
+    # The sampled ids end with EOS, after the arguments' tokens.
+    assert interaction.output_token_ids[-1] == vllm.tokenizer.token_to_id(EOS)
+
+
+def test_default_is_the_configured_model_and_the_record_names_the_real_one(
+    stack: Stack, vllm: Vllm
+) -> None:
+    key = start_session(stack, "engine-default")
+    seen = through(stack, key, body("Hello! How are you?", model="default", ignore_eos=True))
+    alone = direct(vllm, body("Hello! How are you?", ignore_eos=True))
+    [interaction] = end_and_read(stack, key)
+    assert seen[0].model == MODEL
+    assert_recorded(interaction, seen[0])
+    assert_same_as_direct(seen[0], alone[0])
+    status, raw = http_call(
+        stack.gateway_url + "/v1/chat/completions", body("hi", model="no-such-model"), key
+    )
+    assert status == 404
+    message = json.loads(raw)["error"]["message"]
+    assert MODEL in message and OPENAI_MODEL in message
+
+
+def openai_body(text: str, **extra: Any) -> dict[str, Any]:
+    """What a hosted-API client sends: logprobs, no return_token_ids."""
+    return {
+        "model": OPENAI_MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_kind_openai_records_text_and_logprobs_without_exact_ids(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    key = start_session(stack, "engine-openai")
+    request = openai_body("Hello! How are you?", stream=stream)
+    if stream:
+        request["stream_options"] = {"include_usage": True}
+    status, raw = http_call(stack.gateway_url + "/v1/chat/completions", request, key)
+    assert status == 200, raw
+    seen = from_stream(raw)[0][0] if stream else chat_body_seen(raw)
+    assert seen.token_ids is None and seen.prompt_token_ids is None
+    alone = direct(vllm, {**request, "model": MODEL, "return_token_ids": True})[0]
+    [interaction] = end_and_read(stack, key)
+    # vLLM names its first served name in every answer, whichever name was asked for.
+    assert interaction.upstream_kind == "openai" and interaction.model == MODEL
+    assert not interaction.exact_tokens
+    assert interaction.output_token_ids == [] and interaction.prompt_token_ids == []
+    assert interaction.output_logprobs == as_float32(seen.logprobs)
+    assert seen.logprobs == pytest.approx(alone.logprobs, abs=LOGPROB_TOLERANCE)
+    assert seen.content == alone.content == interaction.output["content"]
+    assert len(seen.logprobs) == 10
+
+
+def chat_body_seen(raw: bytes) -> Seen:
+    """Choice 0 of a non-streamed answer."""
+    return from_completion(json.loads(raw))[0]
