@@ -66,7 +66,14 @@ async def start_tail(redis_url: str, prefix: str, *args: str) -> asyncio.subproc
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        # A run started in the background (`cmd &` in a script) inherits SIGINT ignored, and
+        # Python keeps an ignored SIGINT: give the CLI the disposition a terminal gives it.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 async def finish(process: asyncio.subprocess.Process) -> tuple[int, str, str]:
