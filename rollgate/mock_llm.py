@@ -12,9 +12,19 @@ tokens travel on chunks with an empty delta. The usage chunk's `choices` can be 
 default), `null` or absent (`usage_choices`), as different servers send it. `GET /mock/stats`
 reports the chat requests per model it received (for tests driving it as a process).
 
+The `vllm` flavor follows what a real vLLM 0.32 sends (the captures in the team's vllm_wire
+reference): usage only with `stream_options.include_usage`, `system_fingerprint` only on the
+usage chunk, `prompt_token_ids` on every choice's first (role) chunk, `finish_reason` and
+`stop_reason` on the last token's chunk (no empty closing chunk), an EOS token
+(`<|im_end|>`) sampled at a natural stop whose id and logprob are sent but not its text, a
+stop string's token likewise, errors as `{"error": {message, type: NotFoundError |
+BadRequestError, param, code: <status>}}`. `stop` is honoured by every flavor.
+
 Deterministic: a word-level tokenizer with ids from a stable hash, a simple chat template,
 seeded logprobs. The last user message can force behaviours for tests: `/tool` (a tool call
-when the request has tools), `/fail-<status>`, `/hang`, `/fail-midstream`.
+when the request has tools), `/fail-<status>`, `/hang`, `/fail-midstream`, and (vllm flavor)
+`/utf8-fragment`: a lone UTF-8 fragment token as vLLM sends it (`token: ""`, `bytes: []`,
+empty delta; the next chunk's content starts with U+FFFD, which no logprob token carries).
 """
 
 from __future__ import annotations
@@ -48,6 +58,11 @@ USAGE_CHOICES = ("empty", "null", "absent")
 _PIECE = re.compile(r"\s*\S+|\s+")
 _FAIL = re.compile(r"/fail-(\d{3})\b")
 _REASONING_TEXT = "Let me think about what the user asked before I answer."
+# Qwen's <|im_end|>, the EOS a vLLM serving a ChatML model samples at a natural stop.
+EOS_PIECE = "<|im_end|>"
+EOS_ID = 151645
+# The first byte of a three-byte UTF-8 character: a lone fragment when nothing completes it.
+FRAGMENT_ID = 228
 _MAX_ECHO_WORDS = 24
 
 
@@ -96,6 +111,17 @@ class _Token:
     channel: str
     # The text the client sees in its delta (tool markup tokens show none).
     text: str
+    # The id, when not the hash of `piece` (EOS, the fragment).
+    fixed_id: int | None = None
+    # The logprob entry's `token` and `bytes` when they are not `piece` (vLLM's lone UTF-8
+    # fragment: "" and []).
+    entry_token: str | None = None
+    entry_bytes: tuple[int, ...] | None = None
+
+    @property
+    def id(self) -> int:
+        """The token id."""
+        return self.fixed_id if self.fixed_id is not None else token_id(self.piece)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +141,10 @@ class _Plan:
     want_token_ids: bool
     want_usage: bool
     stream: bool
+    # vLLM's wire shapes (the `vllm` flavor): see the module docstring.
+    vllm_wire: bool = False
+    # vLLM's `stop_reason`: the stop string matched (None: EOS, length, or a tool call).
+    stop_reason: str | None = None
 
 
 class _BadRequest(Exception):
@@ -147,6 +177,7 @@ def _plan(
         prompt_ids=[token_id(p) for p in tokenize(render_prompt(messages))],
         raw_markup=flavor == "sglang",
         answer_tokens=answer_tokens,
+        vllm_wire=flavor == "vllm",
     )
 
 
@@ -161,6 +192,7 @@ def _plan_answer(
     prompt_ids: list[int],
     raw_markup: bool = False,
     answer_tokens: int = 0,
+    vllm_wire: bool = False,
 ) -> _Plan:
 
     def make(piece: str, channel: str, text: str | None = None) -> _Token:
@@ -202,8 +234,20 @@ def _plan_answer(
         finish_reason = "tool_calls"
     else:
         reply = f"Mock reply {rng.randint(1, 99)}: you said {echo}".rstrip()
-        tokens += [make(p, "content") for p in _sized(tokenize(reply), answer_tokens)]
+        # With vLLM's EOS, `answer_tokens` counts it too (the answer's length in tokens).
+        sized = max(1, answer_tokens - 1) if vllm_wire and answer_tokens > 0 else answer_tokens
+        tokens += [make(p, "content") for p in _sized(tokenize(reply), sized)]
         finish_reason = "stop"
+        if vllm_wire and "/utf8-fragment" in user_text and len(tokens) > 1:
+            tokens = _with_fragment(tokens, make)
+    tokens, stop_reason = _apply_stop(tokens, body.get("stop"))
+    if stop_reason is not None:
+        finish_reason = "stop"
+    elif vllm_wire:
+        # A natural stop samples EOS: its id and logprob are sent, its text never is.
+        channel = "tool" if finish_reason == "tool_calls" else "content"
+        eos = make(EOS_PIECE, channel, "")
+        tokens.append(dataclasses.replace(eos, fixed_id=EOS_ID))
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     sampling = body.get("sampling_params")
     if isinstance(sampling, dict):
@@ -211,6 +255,7 @@ def _plan_answer(
     if isinstance(limit, int) and 0 < limit < len(tokens):
         tokens = tokens[:limit]
         finish_reason = "length"
+        stop_reason = None
     top = body.get("top_logprobs")
     stream_options = body.get("stream_options")
     return _Plan(
@@ -227,7 +272,48 @@ def _plan_answer(
         want_token_ids=bool(body.get("return_token_ids")),
         want_usage=isinstance(stream_options, dict) and bool(stream_options.get("include_usage")),
         stream=bool(body.get("stream")),
+        vllm_wire=vllm_wire,
+        stop_reason=stop_reason,
     )
+
+
+def _with_fragment(tokens: list[_Token], make: Callable[..., _Token]) -> list[_Token]:
+    """A lone UTF-8 fragment sampled after the first token, as vLLM reports one."""
+    lone = make("\u00e4", "content", "")
+    lone = dataclasses.replace(lone, fixed_id=FRAGMENT_ID, entry_token="", entry_bytes=())
+    after = tokens[1]
+    # The detokenizer gives up on the fragment when the next token arrives: U+FFFD.
+    after = dataclasses.replace(after, text="\ufffd" + after.text)
+    return [tokens[0], lone, after, *tokens[2:]]
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list):
+        return [s for s in stop if isinstance(s, str) and s]
+    return []
+
+
+def _apply_stop(tokens: list[_Token], stop: Any) -> tuple[list[_Token], str | None]:
+    """The tokens up to the one completing a stop string (kept: it was sampled, but the
+    content ends before the match), and the string; (tokens, None) when none matches."""
+    stops = _stop_strings(stop)
+    if not stops:
+        return tokens, None
+    text = ""
+    for i, token in enumerate(tokens):
+        if token.channel != "content":
+            continue
+        before = len(text)
+        text += token.text
+        found = [(text.find(s, max(0, before - len(s) + 1)), s) for s in stops]
+        hits = [(at, s) for at, s in found if at >= 0]
+        if hits:
+            at, matched = min(hits)
+            cut = dataclasses.replace(token, text=token.text[: max(0, at - before)])
+            return [*tokens[:i], cut], matched
+    return tokens, None
 
 
 _FILLER = tokenize(" and then the mock went on talking about nothing in particular")
@@ -244,19 +330,25 @@ def _sized(pieces: list[str], answer_tokens: int) -> list[str]:
 
 
 def _logprob_entry(token: _Token, top: int) -> dict[str, Any]:
-    raw = list(token.piece.encode())
-    alternatives = [{"token": token.piece, "logprob": token.logprob, "bytes": raw}]
+    name = token.piece if token.entry_token is None else token.entry_token
+    raw = list(token.piece.encode()) if token.entry_bytes is None else list(token.entry_bytes)
+    alternatives = [{"token": name, "logprob": token.logprob, "bytes": raw}]
     for i in range(1, top):
         alt = f"<alt{i}>"
         alternatives.append(
             {"token": alt, "logprob": token.logprob - 1.0 - i, "bytes": list(alt.encode())}
         )
     return {
-        "token": token.piece,
+        "token": name,
         "logprob": token.logprob,
         "bytes": raw,
         "top_logprobs": alternatives[:top],
     }
+
+
+def _logprobs(plan: _Plan, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A choice's `logprobs` (OpenAI adds `refusal: null`, vLLM does not)."""
+    return {"content": entries} if plan.vllm_wire else {"content": entries, "refusal": None}
 
 
 def _usage(plan: _Plan) -> dict[str, Any]:
@@ -271,7 +363,11 @@ def _usage(plan: _Plan) -> dict[str, Any]:
 def _completion_body(plan: _Plan) -> dict[str, Any]:
     content = "".join(t.text for t in plan.tokens if t.channel == "content")
     reasoning = "".join(t.text for t in plan.tokens if t.channel == "reasoning")
-    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    # vLLM answers "" where OpenAI answers null (a tool call, EOS only).
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if plan.vllm_wire else content or None,
+    }
     if reasoning:
         message["reasoning_content"] = reasoning
     if plan.tool_name is not None:
@@ -289,15 +385,14 @@ def _completion_body(plan: _Plan) -> dict[str, Any]:
         "index": 0,
         "message": message,
         "logprobs": (
-            {
-                "content": [_logprob_entry(t, plan.top_logprobs) for t in plan.tokens],
-                "refusal": None,
-            }
+            _logprobs(plan, [_logprob_entry(t, plan.top_logprobs) for t in plan.tokens])
             if plan.want_logprobs
             else None
         ),
         "finish_reason": plan.finish_reason,
     }
+    if plan.vllm_wire:
+        choice["stop_reason"] = plan.stop_reason
     body: dict[str, Any] = {
         "id": plan.completion_id,
         "object": "chat.completion",
@@ -309,7 +404,7 @@ def _completion_body(plan: _Plan) -> dict[str, Any]:
     }
     if plan.want_token_ids:
         body["prompt_token_ids"] = plan.prompt_ids
-        choice["token_ids"] = [token_id(t.piece) for t in plan.tokens]
+        choice["token_ids"] = [t.id for t in plan.tokens]
     return body
 
 
@@ -319,16 +414,21 @@ def _chunk(plan: _Plan, choice: dict[str, Any] | None, **extra: Any) -> bytes:
         "object": "chat.completion.chunk",
         "created": plan.created,
         "model": plan.model,
-        "system_fingerprint": MOCK_FINGERPRINT,
         "choices": [choice] if choice is not None else [],
     }
-    if plan.want_usage:
-        body["usage"] = None
+    if not plan.vllm_wire:
+        # OpenAI: the fingerprint on every chunk, and `usage: null` on each one with usage on.
+        body["system_fingerprint"] = MOCK_FINGERPRINT
+        if plan.want_usage:
+            body["usage"] = None
+    elif "usage" in extra:
+        body["system_fingerprint"] = MOCK_FINGERPRINT
     body.update(extra)
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def _token_delta(plan: _Plan, token: _Token, first_tool_fragment: bool) -> dict[str, Any]:
+    """The delta of one token's chunk."""
     if token.channel == "reasoning":
         return {"reasoning_content": token.text}
     if token.channel == "content":
@@ -357,16 +457,16 @@ def _stream_chunks(plan: _Plan) -> list[bytes]:
         "logprobs": None,
         "finish_reason": None,
     }
-    if plan.want_token_ids:
+    if plan.want_token_ids and not plan.vllm_wire:
         role_choice["token_ids"] = []
     events = [_chunk(plan, role_choice, **first_extra)]
     first_tool = True
-    for token in plan.tokens:
+    for position, token in enumerate(plan.tokens, start=1):
         choice: dict[str, Any] = {
             "index": 0,
             "delta": _token_delta(plan, token, first_tool and token.channel == "tool"),
             "logprobs": (
-                {"content": [_logprob_entry(token, plan.top_logprobs)], "refusal": None}
+                _logprobs(plan, [_logprob_entry(token, plan.top_logprobs)])
                 if plan.want_logprobs
                 else None
             ),
@@ -374,9 +474,18 @@ def _stream_chunks(plan: _Plan) -> list[bytes]:
         }
         if token.channel == "tool":
             first_tool = False
+        if plan.vllm_wire and position == len(plan.tokens):
+            # vLLM: the finish rides on the last token's chunk.
+            choice["finish_reason"] = plan.finish_reason
+            choice["stop_reason"] = plan.stop_reason
         if plan.want_token_ids:
-            choice["token_ids"] = [token_id(token.piece)]
+            choice["token_ids"] = [token.id]
         events.append(_chunk(plan, choice))
+    if plan.vllm_wire and plan.tokens:
+        if plan.want_usage:
+            events.append(_chunk(plan, None, usage=_usage(plan)))
+        events.append(b"data: [DONE]\n\n")
+        return events
     final: dict[str, Any] = {
         "index": 0,
         "delta": {},
@@ -493,9 +602,10 @@ def _group_stream(plans: list[_Plan]) -> list[bytes]:
         for raw in _stream_chunks(dataclasses.replace(plan, want_usage=False))[:-1]:
             chunk = orjson.loads(raw.removeprefix(b"data: "))
             chunk["choices"][0]["index"] = index
-            if index:
+            # vLLM sends the prompt ids on every choice's role chunk.
+            if index and not plan.vllm_wire:
                 chunk.pop("prompt_token_ids", None)
-            if plans[0].want_usage:
+            if plans[0].want_usage and not plan.vllm_wire:
                 chunk["usage"] = None
             events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
         per_choice.append(events)
@@ -536,6 +646,13 @@ def _error(status: int, message: str, *, code: str | None = None, **headers: str
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )
+
+
+def _vllm_error(status: int, message: str, *, param: str | None = None) -> web.Response:
+    """vLLM's error shape: the exception's name as `type`, the status as an integer `code`."""
+    error_type = {404: "NotFoundError"}.get(status, "BadRequestError")
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -677,6 +794,8 @@ class MockLLM:
                 _plan(body, self.model, i, self.flavor, self.answer_tokens) for i in range(count)
             ]
         except _BadRequest as err:
+            if self.flavor == "vllm":
+                return _vllm_error(400, str(err), param="messages")
             return _error(400, str(err))
         if self.flavor != "vllm":
             plans = [dataclasses.replace(p, want_token_ids=False) for p in plans]
@@ -709,7 +828,10 @@ class MockLLM:
             return _error(400, "Unrecognized request argument supplied: return_token_ids")
         model = body.get("model")
         if self.strict_model and model != self.model:
-            return _error(404, f"The model `{model}` does not exist.", code="model_not_found")
+            message = f"The model `{model}` does not exist."
+            if self.flavor == "vllm":
+                return _vllm_error(404, f"{message} Valid aliases: {self.model}.", param="model")
+            return _error(404, message, code="model_not_found")
         return None
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
