@@ -46,7 +46,7 @@ async def test_an_sdk_whose_base_url_names_the_session_is_recorded_in_that_episo
             base_url=f"{c.url}/sessions/agent-7/v1", api_key=key, max_retries=0
         )
         models = await sdk.models.list()
-        assert [m.id for m in models.data] == [MODEL]
+        assert [m.id for m in models.data] == ["default", MODEL]
         plain = await sdk.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "plain"}]
         )
@@ -183,7 +183,7 @@ async def test_keys_on_a_session_path_are_checked_as_on_the_plain_routes(
         assert status == 401, error
         # The models list takes the admin key on a session path as it does without one.
         status, listed = await call(c, "GET", "/sessions/s/v1/models", ADMIN_KEY)
-        assert status == 200 and [m["id"] for m in listed["data"]] == [MODEL]
+        assert status == 200 and [m["id"] for m in listed["data"]] == ["default", MODEL]
 
 
 def test_every_session_key_route_has_a_twin_under_the_session_prefix() -> None:
