@@ -234,6 +234,7 @@ def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
         f"  trainer   : {stack.trainer_address}  (gRPC Trainer service; needs the admin key)",
         f"  redis     : {stack.redis_url}" + ("  (embedded)" if stack.redis else ""),
         f"  logs      : {stack.log_dir}",
+        f"  console   : {gw}/console  (live page and trajectory viewer; log in with the admin key)",
         "  metrics   : Prometheus text on each service's metrics port (never the gateway's):",
     ]
     lines += [f"    {name:<11} {url}" for name, url in stack.metrics_urls().items()]

@@ -1,6 +1,6 @@
-""".ci/run prepares what `make test` needs (Python >= 3.11, a working venv) and then runs
-exactly the README's `make test` and `make test-engine`: run here with stand-ins for python3,
-apt-get and make on PATH."""
+""".ci/run prepares what `make test` needs (Python >= 3.11, a working venv, a headless Chromium)
+and then runs exactly the README's `make test` and `make test-engine`: run here with stand-ins
+for python3, apt-get, make and chromium on PATH."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ exit 2
 FAKE_APT = """#!/bin/bash
 echo "$*" >> "$FAKE_STATE/apt.log"
 case "$*" in *install*-venv*) touch "$FAKE_STATE/venv-ok" ;; esac
+case "$*" in *install*chromium*) touch "$FAKE_STATE/chromium-ok" ;; esac
+"""
+# chromium: works once apt-get installed it (or from the start).
+FAKE_CHROMIUM = """#!/bin/bash
+[ -e "$FAKE_STATE/chromium-ok" ]
 """
 FAKE_MAKE = """#!/bin/bash
 echo "$*" >> "$FAKE_STATE/make.log"
@@ -37,7 +42,9 @@ echo 0
 """
 
 
-def _run(tmp_path: Path, *, version: str, venv_ok: bool) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, *, version: str, venv_ok: bool, chromium_ok: bool = True
+) -> subprocess.CompletedProcess[str]:
     bin_dir = tmp_path / "bin"
     state = tmp_path / "state"
     bin_dir.mkdir()
@@ -47,14 +54,23 @@ def _run(tmp_path: Path, *, version: str, venv_ok: bool) -> subprocess.Completed
         ("apt-get", FAKE_APT),
         ("make", FAKE_MAKE),
         ("id", FAKE_ID),
+        ("chromium", FAKE_CHROMIUM),
     ):
         path = bin_dir / name
         path.write_text(text)
         path.chmod(0o755)
     if venv_ok:
         (state / "venv-ok").touch()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_VERSION=version, FAKE_STATE=str(state))
+    if chromium_ok:
+        (state / "chromium-ok").touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "CHROMIUM")}
+    env.update(
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        FAKE_VERSION=version,
+        FAKE_STATE=str(state),
+        # The stand-in, even where a real chromium is installed in /usr/bin.
+        CHROMIUM=str(bin_dir / "chromium"),
+    )
     return subprocess.run(
         ["bash", str(CI_RUN)],
         env=env,
@@ -89,3 +105,11 @@ def test_a_broken_venv_is_fixed_with_apt_get_then_exactly_the_two_test_targets_r
         assert installs == []  # nothing to install
     else:
         assert installs == ["install -y -qq python3.12-venv"]
+
+
+def test_a_missing_chromium_is_installed_with_apt_get_before_make_test(tmp_path: Path) -> None:
+    done = _run(tmp_path, version="3.11", venv_ok=True, chromium_ok=False)
+    assert done.returncode == 0, done.stderr
+    installs = [line for line in _log(tmp_path, "apt.log") if "install" in line]
+    assert installs == ["install -y -qq chromium"]
+    assert _log(tmp_path, "make.log") == ["test"]

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from services.gateway import (
     chat,
+    console,
     health,
     key_admin,
     models,
@@ -49,6 +50,7 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
     app.router.add_post("/rl/keys", session_api.issue_key)
     app.router.add_post("/rl/keys/revoke", session_api.revoke)
     key_admin.mount(app)
+    console.mount(app, settings)
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 
-from protos import dataproxy_pb2_grpc, router_pb2_grpc
+from protos import console_pb2_grpc, dataproxy_pb2_grpc, router_pb2_grpc
 from services.gateway.settings import GatewaySettings
 from services.runtime.grpc_client import open_channel
 from services.runtime.logs import get_logger
@@ -29,6 +29,8 @@ class Backends:
     dataproxy: DataProxyAsyncStub
     router_health: Any
     dataproxy_health: Any
+    # The dataproxy's read-only Console service (the live page, `rollgate status`).
+    console: Any = None
 
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
@@ -48,6 +50,7 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
             ),
             router_health=health_pb2_grpc.HealthStub(router_channel),
             dataproxy_health=health_pb2_grpc.HealthStub(dataproxy_channel),
+            console=console_pb2_grpc.ConsoleStub(dataproxy_channel),
         )
         log.info("backends_opened", router=settings.router_addr, dataproxy=settings.dataproxy_addr)
         yield

@@ -45,6 +45,10 @@ class GatewaySettings:
     grace_s: float = 10.0
     log_level: str = "info"
     log_json: bool | None = None
+    # The console (/console): how long a login cookie lives without use (renewed while the
+    # page is open), and the longest a login lasts however often it is renewed.
+    console_session_s: float = 900.0
+    console_max_login_s: float = 12 * 3600.0
     # Where GET /metrics is served (port None: nowhere), never the public port; docs/metrics.md.
     metrics: MetricsEndpoint = NO_METRICS_PORT
     # The WebSocket bridge (`/ws`, docs/protocols.md): the model its runs use ("": the first
@@ -83,6 +87,8 @@ class GatewaySettings:
             admin_key=Secret(admin_key),
             host=bind_host,
             metrics=metrics_endpoint(environ, service="gateway", host=bind_host),
+            console_session_s=_positive(environ, "ROLLGATE_CONSOLE_SESSION_S", 900.0),
+            console_max_login_s=_positive(environ, "ROLLGATE_CONSOLE_MAX_LOGIN_S", 12 * 3600.0),
             port=port if port is not None else 8080,
             router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
             dataproxy_addr=env_str(environ, "ROLLGATE_DATAPROXY_ADDR", "127.0.0.1:50052"),
@@ -113,3 +119,10 @@ def _ws_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         "ws_model": env_str(environ, "ROLLGATE_WS_MODEL", ""),
         "ws_system_prompt": env_str(environ, "ROLLGATE_WS_SYSTEM_PROMPT", DEFAULT_SYSTEM_PROMPT),
     }
+
+
+def _positive(environ: Mapping[str, str], name: str, default: float) -> float:
+    value = env_float(environ, name, default)
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive")
+    return value

@@ -102,6 +102,7 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
                 text = resp.read().decode()
             assert f'rollgate_build_info{{service="{name.split("-")[0]}"' in text, name
             assert admin_key not in text
+        assert f"console   : http://127.0.0.1:{port}/console" in banner
     finally:
         # Ctrl-C under `make run` reaches `up` twice (make forwards it); the second one lands
         # while the services are being stopped, and must not cut that short.

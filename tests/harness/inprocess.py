@@ -175,6 +175,8 @@ class Upstream:
     worker_id: str
     model: str = MOCK_MODEL
     aliases: tuple[tuple[str, str], ...] = ()
+    # The worker's upstream kind: `vllm` records the mock's exact token ids.
+    kind: str = "openai"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,6 +237,7 @@ async def running_full_chain(
                         upstream_aliases=upstream.aliases,
                         # As a configuration file does it: `default` is the first upstream's.
                         serve_default_model=index == 0,
+                        upstream_kind=upstream.kind,
                         grace_s=1.0,
                     )
                 )
