@@ -28,6 +28,7 @@ commands:
   check-upstream        one real request to each configured upstream and through the stack
   trajectories tail     show published trajectories as they arrive (never consumes them)
   trajectories export   write published trajectories to JSON Lines (never consumes them)
+  status                the console's live summary in the terminal (--watch to follow it)
 
 `rollgate <command> --help` for a command's options.
 """
@@ -256,6 +257,7 @@ def _print_banner(stack: Stack, admin_key: str, *, generated: bool) -> None:
         f"  python3 {examples}/set_reward.py {gw} --api-key <sk-sess-… key> --reward 1.0",
         f"  python3 {examples}/start_session.py {gw} --api-key <sk-sess-… key>   # refresh: publishes",
         "  .venv/bin/rollgate trajectories tail --json",
+        "  .venv/bin/rollgate status --watch      # the console's summary in the terminal",
         "",
         "Ctrl-C stops everything.",
     ]
@@ -273,6 +275,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return up_main(rest)
     if command == "check-upstream":
         return check_upstream_main(rest)
+    if command == "status":
+        from rollgate.status import status_main
+
+        return status_main(rest)
     if command == "mock-llm":
         from rollgate.mock_llm import main as mock_main
 

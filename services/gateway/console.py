@@ -167,10 +167,21 @@ def _to_login() -> web.Response:
     return _redirect("/console/login")
 
 
+async def _bearer_admin(request: web.Request) -> bool:
+    """True for an admin key sent as a bearer token (scripts), False for no key at all; any
+    other key is refused with the JSON 401 every other route gives it."""
+    if "Authorization" not in request.headers and "x-api-key" not in request.headers:
+        return False
+    await require_admin_key(
+        request.headers, request.app[SETTINGS].admin_key, request.app[KEYS].lookup
+    )
+    return True
+
+
 async def live_page(request: web.Request) -> web.StreamResponse:
     """GET /console: the live page, or the login page first."""
     _refuse_keys_in_url(request)
-    if await _session(request) is None:
+    if not await _bearer_admin(request) and await _session(request) is None:
         return _to_login()
     return _page("live.html")
 
@@ -178,13 +189,14 @@ async def live_page(request: web.Request) -> web.StreamResponse:
 async def viewer_page(request: web.Request) -> web.StreamResponse:
     """GET /console/trajectories: the trajectory viewer."""
     _refuse_keys_in_url(request)
-    if await _session(request) is None:
+    if not await _bearer_admin(request) and await _session(request) is None:
         return _to_login()
     return _page("viewer.html")
 
 
 async def login_page(request: web.Request) -> web.Response:
     """GET /console/login: the form."""
+    await _bearer_admin(request)
     if request.query:
         return _page("login.html", status=400, error=NO_KEY_IN_URLS)
     return _page("login.html")
@@ -192,6 +204,7 @@ async def login_page(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.StreamResponse:
     """POST /console/login (form field `admin_key`): a session cookie, then the live page."""
+    await _bearer_admin(request)
     if request.query:
         return _page("login.html", status=400, error=NO_KEY_IN_URLS)
     if request.content_type not in ("application/x-www-form-urlencoded", "multipart/form-data"):
@@ -226,6 +239,7 @@ async def _login_subject(request: web.Request, presented: str) -> str | None:
 
 async def logout(request: web.Request) -> web.StreamResponse:
     """POST /console/logout: forgets the cookie in this browser."""
+    await _bearer_admin(request)
     response = _redirect("/console/login")
     response.del_cookie(COOKIE_NAME, path=COOKIE_PATH)
     return response
@@ -233,6 +247,7 @@ async def logout(request: web.Request) -> web.StreamResponse:
 
 async def static_file(request: web.Request) -> web.Response:
     """GET /console/static/{name}: the pages' scripts and styles (no data in them)."""
+    await _bearer_admin(request)
     name = request.match_info["name"]
     content_type = STATIC_FILES.get(name)
     if content_type is None:
@@ -253,10 +268,7 @@ async def _authorize(request: web.Request) -> ConsoleSession | None:
     session = await _session(request)
     if session is not None:
         return session
-    if "Authorization" in request.headers or "x-api-key" in request.headers:
-        await require_admin_key(
-            request.headers, request.app[SETTINGS].admin_key, request.app[KEYS].lookup
-        )
+    if await _bearer_admin(request):
         return None
     raise Unauthenticated(NOT_LOGGED_IN, code="console_login_required")
 

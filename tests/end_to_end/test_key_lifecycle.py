@@ -29,7 +29,8 @@ MODEL = "rollgate-mock"
 T = 30.0
 # No key at all: these answer anyone.
 PUBLIC = {"/health", "/ready", "/metrics"}
-# Only an admin key opens these: a session key, revoked or not, is not an admin key.
+# Only an admin key opens these (and every /console route): a session key, revoked or not, is
+# not an admin key.
 ADMIN_ONLY = {"/rl/start_session", "/rl/keys", "/rl/keys/revoke"}
 
 
@@ -170,8 +171,11 @@ async def test_a_revoked_key_is_refused_on_every_route_the_gateway_registers(
         for method, path in routes:
             if path in PUBLIC or path == "/ws":
                 continue
-            concrete = path.replace("{response_id}", "resp_" + uuid.uuid4().hex).replace(
-                "{session_id}", "s-1"
+            concrete = (
+                path.replace("{response_id}", "resp_" + uuid.uuid4().hex)
+                .replace("{session_id}", "s-1")
+                .replace("{stream_id}", "1-1")
+                .replace("{name}", "console.css")
             )
             for gateway in (gw1, gw2):
                 for key, headers in ((session_key, {}), (header_key, sid)):
@@ -187,7 +191,8 @@ async def test_a_revoked_key_is_refused_on_every_route_the_gateway_registers(
                     )
                     what = f"{method} {path} on {gateway}"
                     assert status == 401, (what, status, answer)
-                    expected = "admin_key_required" if path in ADMIN_ONLY else "key_revoked"
+                    admin_only = path in ADMIN_ONLY or path.startswith("/console")
+                    expected = "admin_key_required" if admin_only else "key_revoked"
                     assert answer["error"]["code"] == expected, (what, answer)
                     assert answer["error"]["message"], what
                     checked += 1

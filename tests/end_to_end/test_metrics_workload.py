@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
@@ -17,9 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rollgate.stack import Stack
 from rollgate.trainer_client import TrainerClient
+from tests.deploy.test_grafana import metric_names as dashboard_metric_names
 from tests.end_to_end.test_walkthrough import chat_body, request
 from tests.harness.processes import log_level_env, stack_config
 
+ROLLGATE = str(Path(sys.executable).parent / "rollgate")
 SESSIONS = 4
 GROUP = "trainer-a"
 
@@ -205,3 +210,37 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
             assert secret not in text, name
     # The public gateway port has no metrics.
     assert request(stack, "GET", "/metrics")[0] == 404
+
+    # The Grafana dashboard asks only for metrics that are served (a few exist only in some
+    # states: capacity limits, pauses, read errors).
+    served = {name for page in pages.values() for name in page}
+    conditional = {
+        "rollgate_capacity_left_episodes",
+        "rollgate_capacity_granted_episodes",
+        "rollgate_capacity_bound_episodes",
+    }
+    for name in dashboard_metric_names() - conditional:
+        assert name in served or f"{name}_total" in served or f"{name}_bucket" in served, name
+
+    # `rollgate status` in a terminal: the same numbers, one screen.
+    env = {**os.environ, "ROLLGATE_ADMIN_KEY": stack.config.admin_key}
+    done_status = subprocess.run(
+        [ROLLGATE, "status", "--gateway", stack.gateway_url],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done_status.returncode == 0, done_status.stderr
+    screen = done_status.stdout
+    assert f"published {SESSIONS} · acked 2" in screen
+    assert "weight version 2 · submitting" in screen
+    assert "workers 2/2 live" in screen
+    assert "exact ids 100.0 %" in screen
+    row = next(line.split() for line in screen.splitlines() if line.strip().startswith(GROUP))
+    assert row[:4] == [GROUP, "1", str(SESSIONS - 3), "1"]
+    assert "UNAUTHENTICATED" in screen
+    assert stack.config.admin_key not in screen
+    wrong = subprocess.run(
+        [ROLLGATE, "status", "--gateway", stack.gateway_url],
+        env={**env, "ROLLGATE_ADMIN_KEY": "not-the-key"},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert wrong.returncode == 1 and "answered 401" in wrong.stderr
