@@ -112,4 +112,4 @@ def test_a_missing_chromium_is_installed_with_apt_get_before_make_test(tmp_path:
     assert done.returncode == 0, done.stderr
     installs = [line for line in _log(tmp_path, "apt.log") if "install" in line]
     assert installs == ["install -y -qq chromium"]
-    assert _log(tmp_path, "make.log") == ["test"]
+    assert _log(tmp_path, "make.log") == ["test", "test-engine"]
