@@ -24,25 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0brollgate.v1\"\xaa\x03\n\nTurnRecord\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x16\n\x0eupstream_model\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x1c\n\x10output_token_ids\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x1b\n\x0foutput_logprobs\x18\x06 \x03(\x01\x42\x02\x10\x01\x12\x14\n\x0c\x65xact_tokens\x18\x07 \x01(\x08\x12\x1e\n\x16\x61ssistant_message_json\x18\x08 \x01(\x0c\x12\x12\n\nusage_json\x18\t \x01(\x0c\x12\x11\n\tlatency_s\x18\n \x01(\x01\x12\x0e\n\x06ttft_s\x18\x0b \x01(\x01\x12\x15\n\rupstream_kind\x18\x0c \x01(\t\x12\x17\n\x0flength_mismatch\x18\r \x01(\x08\x12\x19\n\x11started_at_unix_s\x18\x0e \x01(\x01\x12\x14\n\x0crequest_json\x18\x0f \x01(\x0c\x12.\n\rextra_samples\x18\x10 \x03(\x0b\x32\x17.rollgate.v1.TurnSample\"\xad\x01\n\nTurnSample\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1c\n\x10output_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x1b\n\x0foutput_logprobs\x18\x03 \x03(\x01\x42\x02\x10\x01\x12\x14\n\x0c\x65xact_tokens\x18\x04 \x01(\x08\x12\x17\n\x0flength_mismatch\x18\x05 \x01(\x08\x12\x1e\n\x16\x61ssistant_message_json\x18\x06 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0brollgate.v1\"\xa0\x03\n\nTurnRecord\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x16\n\x0eupstream_model\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x11 \x01(\x0c\x12\x18\n\x10output_token_ids\x18\x12 \x01(\x0c\x12\x17\n\x0foutput_logprobs\x18\x13 \x01(\x0c\x12\x14\n\x0c\x65xact_tokens\x18\x07 \x01(\x08\x12\x1e\n\x16\x61ssistant_message_json\x18\x08 \x01(\x0c\x12\x12\n\nusage_json\x18\t \x01(\x0c\x12\x11\n\tlatency_s\x18\n \x01(\x01\x12\x0e\n\x06ttft_s\x18\x0b \x01(\x01\x12\x15\n\rupstream_kind\x18\x0c \x01(\t\x12\x17\n\x0flength_mismatch\x18\r \x01(\x08\x12\x19\n\x11started_at_unix_s\x18\x0e \x01(\x01\x12.\n\rextra_samples\x18\x10 \x03(\x0b\x32\x17.rollgate.v1.TurnSampleJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x0f\x10\x10\"\xb1\x01\n\nTurnSample\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x10output_token_ids\x18\x07 \x01(\x0c\x12\x17\n\x0foutput_logprobs\x18\x08 \x01(\x0c\x12\x14\n\x0c\x65xact_tokens\x18\x04 \x01(\x08\x12\x17\n\x0flength_mismatch\x18\x05 \x01(\x08\x12\x1e\n\x16\x61ssistant_message_json\x18\x06 \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TURNRECORD'].fields_by_name['prompt_token_ids']._loaded_options = None
-  _globals['_TURNRECORD'].fields_by_name['prompt_token_ids']._serialized_options = b'\020\001'
-  _globals['_TURNRECORD'].fields_by_name['output_token_ids']._loaded_options = None
-  _globals['_TURNRECORD'].fields_by_name['output_token_ids']._serialized_options = b'\020\001'
-  _globals['_TURNRECORD'].fields_by_name['output_logprobs']._loaded_options = None
-  _globals['_TURNRECORD'].fields_by_name['output_logprobs']._serialized_options = b'\020\001'
-  _globals['_TURNSAMPLE'].fields_by_name['output_token_ids']._loaded_options = None
-  _globals['_TURNSAMPLE'].fields_by_name['output_token_ids']._serialized_options = b'\020\001'
-  _globals['_TURNSAMPLE'].fields_by_name['output_logprobs']._loaded_options = None
-  _globals['_TURNSAMPLE'].fields_by_name['output_logprobs']._serialized_options = b'\020\001'
   _globals['_TURNRECORD']._serialized_start=37
-  _globals['_TURNRECORD']._serialized_end=463
-  _globals['_TURNSAMPLE']._serialized_start=466
-  _globals['_TURNSAMPLE']._serialized_end=639
+  _globals['_TURNRECORD']._serialized_end=453
+  _globals['_TURNSAMPLE']._serialized_start=456
+  _globals['_TURNSAMPLE']._serialized_end=633
 # @@protoc_insertion_point(module_scope)

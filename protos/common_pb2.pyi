@@ -38,7 +38,6 @@ class TurnRecord(_message.Message):
     UPSTREAM_KIND_FIELD_NUMBER: _builtins.int
     LENGTH_MISMATCH_FIELD_NUMBER: _builtins.int
     STARTED_AT_UNIX_S_FIELD_NUMBER: _builtins.int
-    REQUEST_JSON_FIELD_NUMBER: _builtins.int
     EXTRA_SAMPLES_FIELD_NUMBER: _builtins.int
     interaction_id: _builtins.str
     """The id the client saw (the completion `id`)."""
@@ -46,6 +45,14 @@ class TurnRecord(_message.Message):
     """The model name the upstream reported."""
     finish_reason: _builtins.str
     """"stop", "length", "tool_calls", "abort", ..."""
+    prompt_token_ids: _builtins.bytes
+    """Token ids of the prompt as the model saw it, int32 little-endian (empty when unknown).
+    Packed once by the worker: no hop turns thousands of ids into objects and back.
+    """
+    output_token_ids: _builtins.bytes
+    """Sampled output token ids, int32 little-endian (empty when the upstream gives none)."""
+    output_logprobs: _builtins.bytes
+    """One logprob per sampled output token, in order, float32 little-endian."""
     exact_tokens: _builtins.bool
     """True when the ids are the engine's sampled ids, false when re-tokenized or missing."""
     assistant_message_json: _builtins.bytes
@@ -62,22 +69,6 @@ class TurnRecord(_message.Message):
     """True when the number of logprobs differs from the number of output ids."""
     started_at_unix_s: _builtins.float
     """Unix time at which the upstream call started."""
-    request_json: _builtins.bytes
-    """The request as the upstream saw it, JSON: {"messages": [...], "tools": [...]?}.
-    Carried as bytes so the dataproxy records it without parsing it on the hot path.
-    """
-    @_builtins.property
-    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids of the prompt as the model saw it (empty when unknown)."""
-
-    @_builtins.property
-    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Sampled output token ids (empty when the upstream gives none)."""
-
-    @_builtins.property
-    def output_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """One logprob per sampled output token, in order."""
-
     @_builtins.property
     def extra_samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnSample]:
         """Group sampling (gconfig.n_samples = G > 1): samples 1..G-1 of the same call, same prompt.
@@ -90,9 +81,9 @@ class TurnRecord(_message.Message):
         interaction_id: _builtins.str = ...,
         upstream_model: _builtins.str = ...,
         finish_reason: _builtins.str = ...,
-        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        output_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        prompt_token_ids: _builtins.bytes = ...,
+        output_token_ids: _builtins.bytes = ...,
+        output_logprobs: _builtins.bytes = ...,
         exact_tokens: _builtins.bool = ...,
         assistant_message_json: _builtins.bytes = ...,
         usage_json: _builtins.bytes = ...,
@@ -101,12 +92,11 @@ class TurnRecord(_message.Message):
         upstream_kind: _builtins.str = ...,
         length_mismatch: _builtins.bool = ...,
         started_at_unix_s: _builtins.float = ...,
-        request_json: _builtins.bytes = ...,
         extra_samples: _abc.Iterable[Global___TurnSample] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message_json", b"assistant_message_json", "exact_tokens", b"exact_tokens", "extra_samples", b"extra_samples", "finish_reason", b"finish_reason", "interaction_id", b"interaction_id", "latency_s", b"latency_s", "length_mismatch", b"length_mismatch", "output_logprobs", b"output_logprobs", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "started_at_unix_s", b"started_at_unix_s", "ttft_s", b"ttft_s", "upstream_kind", b"upstream_kind", "upstream_model", b"upstream_model", "usage_json", b"usage_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assistant_message_json", b"assistant_message_json", "exact_tokens", b"exact_tokens", "extra_samples", b"extra_samples", "finish_reason", b"finish_reason", "interaction_id", b"interaction_id", "latency_s", b"latency_s", "length_mismatch", b"length_mismatch", "output_logprobs", b"output_logprobs", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "started_at_unix_s", b"started_at_unix_s", "ttft_s", b"ttft_s", "upstream_kind", b"upstream_kind", "upstream_model", b"upstream_model", "usage_json", b"usage_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -125,20 +115,20 @@ class TurnSample(_message.Message):
     LENGTH_MISMATCH_FIELD_NUMBER: _builtins.int
     ASSISTANT_MESSAGE_JSON_FIELD_NUMBER: _builtins.int
     finish_reason: _builtins.str
+    output_token_ids: _builtins.bytes
+    """int32 little-endian, as in TurnRecord."""
+    output_logprobs: _builtins.bytes
+    """float32 little-endian, as in TurnRecord."""
     exact_tokens: _builtins.bool
     length_mismatch: _builtins.bool
     assistant_message_json: _builtins.bytes
     """{role, content, reasoning_content?, tool_calls?} as JSON."""
-    @_builtins.property
-    def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def output_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
     def __init__(
         self,
         *,
         finish_reason: _builtins.str = ...,
-        output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        output_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        output_token_ids: _builtins.bytes = ...,
+        output_logprobs: _builtins.bytes = ...,
         exact_tokens: _builtins.bool = ...,
         length_mismatch: _builtins.bool = ...,
         assistant_message_json: _builtins.bytes = ...,

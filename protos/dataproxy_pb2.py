@@ -22,57 +22,60 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/dataproxy.proto\x12\x0brollgate.v1\"K\n\x13StartSessionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\"2\n\x0bGroupMember\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"\xa8\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x11\n\trefreshed\x18\x03 \x01(\x08\x12\x1b\n\x13\x65nded_trajectory_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12)\n\x07members\x18\x06 \x03(\x0b\x32\x18.rollgate.v1.GroupMember\"b\n\x10SetRewardRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x16\n\x0einteraction_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\"+\n\x11SetRewardResponse\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\";\n\x11\x45ndSessionRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"Z\n\x12\x45ndSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x19\n\x11interaction_count\x18\x03 \x01(\x05\"\xb5\x01\n\x0b\x43hatRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0einteraction_id\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x11\n\tturn_type\x18\x07 \x01(\t\x12\x14\n\x0csession_done\x18\x08 \x01(\x08\"g\n\x0c\x43hatResponse\x12(\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x16.rollgate.v1.ChunkListH\x00\x12%\n\x04\x64one\x18\x02 \x01(\x0b\x32\x15.rollgate.v1.ChatDoneH\x00\x42\x06\n\x04kind\"\x1b\n\tChunkList\x12\x0e\n\x06\x63hunks\x18\x01 \x03(\x0c\"6\n\x08\x43hatDone\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"U\n\x14\x43ompleteChatResponse\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\x16\n\x0einteraction_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\'\n\x11ResolveKeyRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"F\n\x12ResolveKeyResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\'\n\x11GetHistoryRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"@\n\x0cHistoryEntry\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x18\n\x10interaction_json\x18\x02 \x01(\x0c\"T\n\x12GetHistoryResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.rollgate.v1.HistoryEntry\"R\n\x10\x41\x62ortTurnRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\"\n\x11\x41\x62ortTurnResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"0\n\x0fIssueKeyRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"A\n\x10IssueKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t2\xb6\x05\n\tDataProxy\x12S\n\x0cStartSession\x12 .rollgate.v1.StartSessionRequest\x1a!.rollgate.v1.StartSessionResponse\x12J\n\tSetReward\x12\x1d.rollgate.v1.SetRewardRequest\x1a\x1e.rollgate.v1.SetRewardResponse\x12M\n\nEndSession\x12\x1e.rollgate.v1.EndSessionRequest\x1a\x1f.rollgate.v1.EndSessionResponse\x12=\n\x04\x43hat\x12\x18.rollgate.v1.ChatRequest\x1a\x19.rollgate.v1.ChatResponse0\x01\x12G\n\x08\x43omplete\x12\x18.rollgate.v1.ChatRequest\x1a!.rollgate.v1.CompleteChatResponse\x12M\n\nResolveKey\x12\x1e.rollgate.v1.ResolveKeyRequest\x1a\x1f.rollgate.v1.ResolveKeyResponse\x12M\n\nGetHistory\x12\x1e.rollgate.v1.GetHistoryRequest\x1a\x1f.rollgate.v1.GetHistoryResponse\x12J\n\tAbortTurn\x12\x1d.rollgate.v1.AbortTurnRequest\x1a\x1e.rollgate.v1.AbortTurnResponse\x12G\n\x08IssueKey\x12\x1c.rollgate.v1.IssueKeyRequest\x1a\x1d.rollgate.v1.IssueKeyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/dataproxy.proto\x12\x0brollgate.v1\x1a\x13protos/common.proto\"K\n\x13StartSessionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\"2\n\x0bGroupMember\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"\xa8\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x11\n\trefreshed\x18\x03 \x01(\x08\x12\x1b\n\x13\x65nded_trajectory_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12)\n\x07members\x18\x06 \x03(\x0b\x32\x18.rollgate.v1.GroupMember\"b\n\x10SetRewardRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x16\n\x0einteraction_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\"+\n\x11SetRewardResponse\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\";\n\x11\x45ndSessionRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"Z\n\x12\x45ndSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x19\n\x11interaction_count\x18\x03 \x01(\x05\"\xb5\x01\n\rLedgerRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\'\n\x05\x62\x65gin\x18\x03 \x01(\x0b\x32\x16.rollgate.v1.BeginTurnH\x00\x12)\n\x06record\x18\x04 \x01(\x0b\x32\x17.rollgate.v1.RecordTurnH\x00\x12+\n\x07release\x18\x05 \x01(\x0b\x32\x18.rollgate.v1.ReleaseTurnH\x00\x42\x04\n\x02op\"G\n\tBeginTurn\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"J\n\x0cTurnAdmitted\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\xeb\x01\n\nRecordTurn\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\x12\x14\n\x0crequest_json\x18\x03 \x01(\x0c\x12\x16\n\x0einteraction_id\x18\x04 \x01(\t\x12\x11\n\tturn_type\x18\x05 \x01(\t\x12\x14\n\x0csession_done\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08streamed\x18\x08 \x01(\x08\x12\'\n\x05spans\x18\t \x03(\x0b\x32\x18.rollgate.v1.VersionSpan\"5\n\x0bVersionSpan\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x1d\n\x0bReleaseTurn\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"I\n\x0cTurnRecorded\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x05\"\xc8\x01\n\x0eLedgerResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12-\n\x08\x61\x64mitted\x18\x02 \x01(\x0b\x32\x19.rollgate.v1.TurnAdmittedH\x00\x12-\n\x08recorded\x18\x03 \x01(\x0b\x32\x19.rollgate.v1.TurnRecordedH\x00\x12\x12\n\x08released\x18\x04 \x01(\x08H\x00\x12\x14\n\nerror_json\x18\x05 \x01(\x0cH\x00\x12\x18\n\x0eweight_version\x18\x06 \x01(\x03H\x00\x42\x08\n\x06result\"\'\n\x11ResolveKeyRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"F\n\x12ResolveKeyResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\'\n\x11GetHistoryRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"@\n\x0cHistoryEntry\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x18\n\x10interaction_json\x18\x02 \x01(\x0c\"T\n\x12GetHistoryResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.rollgate.v1.HistoryEntry\"0\n\x0fIssueKeyRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"A\n\x10IssueKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t2\xa9\x04\n\tDataProxy\x12S\n\x0cStartSession\x12 .rollgate.v1.StartSessionRequest\x1a!.rollgate.v1.StartSessionResponse\x12J\n\tSetReward\x12\x1d.rollgate.v1.SetRewardRequest\x1a\x1e.rollgate.v1.SetRewardResponse\x12M\n\nEndSession\x12\x1e.rollgate.v1.EndSessionRequest\x1a\x1f.rollgate.v1.EndSessionResponse\x12\x45\n\x06Ledger\x12\x1a.rollgate.v1.LedgerRequest\x1a\x1b.rollgate.v1.LedgerResponse(\x01\x30\x01\x12M\n\nResolveKey\x12\x1e.rollgate.v1.ResolveKeyRequest\x1a\x1f.rollgate.v1.ResolveKeyResponse\x12M\n\nGetHistory\x12\x1e.rollgate.v1.GetHistoryRequest\x1a\x1f.rollgate.v1.GetHistoryResponse\x12G\n\x08IssueKey\x12\x1c.rollgate.v1.IssueKeyRequest\x1a\x1d.rollgate.v1.IssueKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.dataproxy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTSESSIONREQUEST']._serialized_start=39
-  _globals['_STARTSESSIONREQUEST']._serialized_end=114
-  _globals['_GROUPMEMBER']._serialized_start=116
-  _globals['_GROUPMEMBER']._serialized_end=166
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=169
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=337
-  _globals['_SETREWARDREQUEST']._serialized_start=339
-  _globals['_SETREWARDREQUEST']._serialized_end=437
-  _globals['_SETREWARDRESPONSE']._serialized_start=439
-  _globals['_SETREWARDRESPONSE']._serialized_end=482
-  _globals['_ENDSESSIONREQUEST']._serialized_start=484
-  _globals['_ENDSESSIONREQUEST']._serialized_end=543
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=545
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=635
-  _globals['_CHATREQUEST']._serialized_start=638
-  _globals['_CHATREQUEST']._serialized_end=819
-  _globals['_CHATRESPONSE']._serialized_start=821
-  _globals['_CHATRESPONSE']._serialized_end=924
-  _globals['_CHUNKLIST']._serialized_start=926
-  _globals['_CHUNKLIST']._serialized_end=953
-  _globals['_CHATDONE']._serialized_start=955
-  _globals['_CHATDONE']._serialized_end=1009
-  _globals['_COMPLETECHATRESPONSE']._serialized_start=1011
-  _globals['_COMPLETECHATRESPONSE']._serialized_end=1096
-  _globals['_RESOLVEKEYREQUEST']._serialized_start=1098
-  _globals['_RESOLVEKEYREQUEST']._serialized_end=1137
-  _globals['_RESOLVEKEYRESPONSE']._serialized_start=1139
-  _globals['_RESOLVEKEYRESPONSE']._serialized_end=1209
-  _globals['_GETHISTORYREQUEST']._serialized_start=1211
-  _globals['_GETHISTORYREQUEST']._serialized_end=1250
-  _globals['_HISTORYENTRY']._serialized_start=1252
-  _globals['_HISTORYENTRY']._serialized_end=1316
-  _globals['_GETHISTORYRESPONSE']._serialized_start=1318
-  _globals['_GETHISTORYRESPONSE']._serialized_end=1402
-  _globals['_ABORTTURNREQUEST']._serialized_start=1404
-  _globals['_ABORTTURNREQUEST']._serialized_end=1486
-  _globals['_ABORTTURNRESPONSE']._serialized_start=1488
-  _globals['_ABORTTURNRESPONSE']._serialized_end=1522
-  _globals['_ISSUEKEYREQUEST']._serialized_start=1524
-  _globals['_ISSUEKEYREQUEST']._serialized_end=1572
-  _globals['_ISSUEKEYRESPONSE']._serialized_start=1574
-  _globals['_ISSUEKEYRESPONSE']._serialized_end=1639
-  _globals['_DATAPROXY']._serialized_start=1642
-  _globals['_DATAPROXY']._serialized_end=2336
+  _globals['_STARTSESSIONREQUEST']._serialized_start=60
+  _globals['_STARTSESSIONREQUEST']._serialized_end=135
+  _globals['_GROUPMEMBER']._serialized_start=137
+  _globals['_GROUPMEMBER']._serialized_end=187
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=190
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=358
+  _globals['_SETREWARDREQUEST']._serialized_start=360
+  _globals['_SETREWARDREQUEST']._serialized_end=458
+  _globals['_SETREWARDRESPONSE']._serialized_start=460
+  _globals['_SETREWARDRESPONSE']._serialized_end=503
+  _globals['_ENDSESSIONREQUEST']._serialized_start=505
+  _globals['_ENDSESSIONREQUEST']._serialized_end=564
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=566
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=656
+  _globals['_LEDGERREQUEST']._serialized_start=659
+  _globals['_LEDGERREQUEST']._serialized_end=840
+  _globals['_BEGINTURN']._serialized_start=842
+  _globals['_BEGINTURN']._serialized_end=913
+  _globals['_TURNADMITTED']._serialized_start=915
+  _globals['_TURNADMITTED']._serialized_end=989
+  _globals['_RECORDTURN']._serialized_start=992
+  _globals['_RECORDTURN']._serialized_end=1227
+  _globals['_VERSIONSPAN']._serialized_start=1229
+  _globals['_VERSIONSPAN']._serialized_end=1282
+  _globals['_RELEASETURN']._serialized_start=1284
+  _globals['_RELEASETURN']._serialized_end=1313
+  _globals['_TURNRECORDED']._serialized_start=1315
+  _globals['_TURNRECORDED']._serialized_end=1388
+  _globals['_LEDGERRESPONSE']._serialized_start=1391
+  _globals['_LEDGERRESPONSE']._serialized_end=1591
+  _globals['_RESOLVEKEYREQUEST']._serialized_start=1593
+  _globals['_RESOLVEKEYREQUEST']._serialized_end=1632
+  _globals['_RESOLVEKEYRESPONSE']._serialized_start=1634
+  _globals['_RESOLVEKEYRESPONSE']._serialized_end=1704
+  _globals['_GETHISTORYREQUEST']._serialized_start=1706
+  _globals['_GETHISTORYREQUEST']._serialized_end=1745
+  _globals['_HISTORYENTRY']._serialized_start=1747
+  _globals['_HISTORYENTRY']._serialized_end=1811
+  _globals['_GETHISTORYRESPONSE']._serialized_start=1813
+  _globals['_GETHISTORYRESPONSE']._serialized_end=1897
+  _globals['_ISSUEKEYREQUEST']._serialized_start=1899
+  _globals['_ISSUEKEYREQUEST']._serialized_end=1947
+  _globals['_ISSUEKEYRESPONSE']._serialized_start=1949
+  _globals['_ISSUEKEYRESPONSE']._serialized_end=2014
+  _globals['_DATAPROXY']._serialized_start=2017
+  _globals['_DATAPROXY']._serialized_end=2570
 # @@protoc_insertion_point(module_scope)

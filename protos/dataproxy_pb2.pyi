@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from protos import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -207,151 +208,273 @@ class EndSessionResponse(_message.Message):
 Global___EndSessionResponse: _TypeAlias = EndSessionResponse  # noqa: Y015
 
 @_typing.final
-class ChatRequest(_message.Message):
+class LedgerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    BEGIN_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the gateway, unique on its stream; the answer carries it back."""
+    timeout_s: _builtins.float
+    """How long the gateway waits for the answer."""
+    @_builtins.property
+    def begin(self) -> Global___BeginTurn: ...
+    @_builtins.property
+    def record(self) -> Global___RecordTurn: ...
+    @_builtins.property
+    def release(self) -> Global___ReleaseTurn: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        timeout_s: _builtins.float = ...,
+        begin: Global___BeginTurn | None = ...,
+        record: Global___RecordTurn | None = ...,
+        release: Global___ReleaseTurn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "op", b"op", "record", b"record", "release", b"release"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "id", b"id", "op", b"op", "record", b"record", "release", b"release", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["begin", "record", "release"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___LedgerRequest: _TypeAlias = LedgerRequest  # noqa: Y015
+
+@_typing.final
+class BeginTurn(_message.Message):
+    """Admission: resolves the key's (header mode: the session's) episode, waits while submission
+    is paused, takes the in-flight lease and reads the weight version, in one script.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     KEY_DIGEST_FIELD_NUMBER: _builtins.int
-    WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
-    BODY_JSON_FIELD_NUMBER: _builtins.int
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    INTERACTION_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    key_digest: _builtins.str
+    """SHA-256 hex digest of the session key."""
+    session_id: _builtins.str
+    """OpenClaw-RL's X-Session-Id (or body session_id): names the episode of a header-mode key."""
+    request_id: _builtins.str
+    """Correlation id for logs."""
+    def __init__(
+        self,
+        *,
+        key_digest: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_digest", b"key_digest", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginTurn: _TypeAlias = BeginTurn  # noqa: Y015
+
+@_typing.final
+class TurnAdmitted(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.bytes
+    """Opaque to the gateway: handed back with the turn's RecordTurn or ReleaseTurn."""
+    weight_version: _builtins.int
+    """The weight version the turn was admitted under."""
+    session_id: _builtins.str
+    """The session the turn belongs to (the X-Session-Id in header mode, else the episode)."""
+    def __init__(
+        self,
+        *,
+        ticket: _builtins.bytes = ...,
+        weight_version: _builtins.int = ...,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "ticket", b"ticket", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnAdmitted: _TypeAlias = TurnAdmitted  # noqa: Y015
+
+@_typing.final
+class RecordTurn(_message.Message):
+    """The end of an answered turn: appended to its episode before the client sees the end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    REQUEST_JSON_FIELD_NUMBER: _builtins.int
+    INTERACTION_ID_FIELD_NUMBER: _builtins.int
     TURN_TYPE_FIELD_NUMBER: _builtins.int
     SESSION_DONE_FIELD_NUMBER: _builtins.int
-    key_digest: _builtins.str
-    worker_address: _builtins.str
-    """host:port of the worker the router chose."""
-    body_json: _builtins.bytes
-    """The client's chat-completions body, raw JSON."""
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    STREAMED_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.bytes
+    request_json: _builtins.bytes
+    """{"tools"?, "messages"} as forwarded (the gateway serialized it)."""
     interaction_id: _builtins.str
     """The interaction id to record the turn under (the id the client saw, e.g. a Responses
     `resp_…` id or a WebSocket runId); empty: the completion id the upstream returned.
-    """
-    session_id: _builtins.str
-    """OpenClaw-RL's X-Session-Id (or body session_id): names the episode of a header-mode
-    key; ignored with per-episode keys.
     """
     turn_type: _builtins.str
     """"main" (empty: main) or "side": side turns are recorded but marked."""
     session_done: _builtins.bool
     """X-Session-Done (or body session_done): end and publish the session after this turn."""
+    request_id: _builtins.str
+    streamed: _builtins.bool
+    """Streamed turns: the output tokens of each batch and the weight version current as it
+    passed the gateway, in order (the per-token versions).
+    """
+    @_builtins.property
+    def record(self) -> _common_pb2.TurnRecord:
+        """The worker's record, as the worker sent it."""
+
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionSpan]: ...
     def __init__(
         self,
         *,
-        key_digest: _builtins.str = ...,
-        worker_address: _builtins.str = ...,
-        body_json: _builtins.bytes = ...,
-        request_id: _builtins.str = ...,
+        ticket: _builtins.bytes = ...,
+        record: _common_pb2.TurnRecord | None = ...,
+        request_json: _builtins.bytes = ...,
         interaction_id: _builtins.str = ...,
-        session_id: _builtins.str = ...,
         turn_type: _builtins.str = ...,
         session_done: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
+        streamed: _builtins.bool = ...,
+        spans: _abc.Iterable[Global___VersionSpan] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "interaction_id", b"interaction_id", "key_digest", b"key_digest", "request_id", b"request_id", "session_done", b"session_done", "session_id", b"session_id", "turn_type", b"turn_type", "worker_address", b"worker_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interaction_id", b"interaction_id", "record", b"record", "request_id", b"request_id", "request_json", b"request_json", "session_done", b"session_done", "spans", b"spans", "streamed", b"streamed", "ticket", b"ticket", "turn_type", b"turn_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
+Global___RecordTurn: _TypeAlias = RecordTurn  # noqa: Y015
 
 @_typing.final
-class ChatResponse(_message.Message):
+class VersionSpan(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    CHUNKS_FIELD_NUMBER: _builtins.int
-    DONE_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def chunks(self) -> Global___ChunkList:
-        """Chunks that arrived together, each one SSE `data:` payload."""
-
-    @_builtins.property
-    def done(self) -> Global___ChatDone:
-        """The turn was recorded: the stream is complete."""
-
+    TOKENS_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    tokens: _builtins.int
+    weight_version: _builtins.int
     def __init__(
         self,
         *,
-        chunks: Global___ChunkList | None = ...,
-        done: Global___ChatDone | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "done", b"done", "kind", b"kind"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "done", b"done", "kind", b"kind"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["chunks", "done"]  # noqa: Y015
-    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
-
-Global___ChatResponse: _TypeAlias = ChatResponse  # noqa: Y015
-
-@_typing.final
-class ChunkList(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    CHUNKS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
-    def __init__(
-        self,
-        *,
-        chunks: _abc.Iterable[_builtins.bytes] | None = ...,
+        tokens: _builtins.int = ...,
+        weight_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ChunkList: _TypeAlias = ChunkList  # noqa: Y015
+Global___VersionSpan: _TypeAlias = VersionSpan  # noqa: Y015
 
 @_typing.final
-class ChatDone(_message.Message):
+class ReleaseTurn(_message.Message):
+    """A turn that ends without a record (failed, cancelled): its lease is released."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        ticket: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseTurn: _TypeAlias = ReleaseTurn  # noqa: Y015
+
+@_typing.final
+class TurnRecorded(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INTERACTION_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     interaction_id: _builtins.str
     session_id: _builtins.str
+    index: _builtins.int
+    """The interaction's index in its episode."""
     def __init__(
         self,
         *,
         interaction_id: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interaction_id", b"interaction_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "interaction_id", b"interaction_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ChatDone: _TypeAlias = ChatDone  # noqa: Y015
+Global___TurnRecorded: _TypeAlias = TurnRecorded  # noqa: Y015
 
 @_typing.final
-class CompleteChatResponse(_message.Message):
+class LedgerResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    BODY_JSON_FIELD_NUMBER: _builtins.int
-    INTERACTION_ID_FIELD_NUMBER: _builtins.int
-    SESSION_ID_FIELD_NUMBER: _builtins.int
-    body_json: _builtins.bytes
-    interaction_id: _builtins.str
-    session_id: _builtins.str
+    ID_FIELD_NUMBER: _builtins.int
+    ADMITTED_FIELD_NUMBER: _builtins.int
+    RECORDED_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
+    ERROR_JSON_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The request's id; 0 for an announcement (a new weight version)."""
+    released: _builtins.bool
+    """The lease was released."""
+    error_json: _builtins.bytes
+    """The op failed: a RollgateError as JSON {kind, message, code, retry_after_s}, exactly
+    what the `rollgate-error-bin` trailing metadata of a unary RPC carries.
+    """
+    weight_version: _builtins.int
+    """The dataproxy saw the weight version move (sent on every open ledger, id 0)."""
+    @_builtins.property
+    def admitted(self) -> Global___TurnAdmitted: ...
+    @_builtins.property
+    def recorded(self) -> Global___TurnRecorded: ...
     def __init__(
         self,
         *,
-        body_json: _builtins.bytes = ...,
-        interaction_id: _builtins.str = ...,
-        session_id: _builtins.str = ...,
+        id: _builtins.int = ...,
+        admitted: Global___TurnAdmitted | None = ...,
+        recorded: Global___TurnRecorded | None = ...,
+        released: _builtins.bool = ...,
+        error_json: _builtins.bytes = ...,
+        weight_version: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "error_json", b"error_json", "recorded", b"recorded", "released", b"released", "result", b"result", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "interaction_id", b"interaction_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "error_json", b"error_json", "id", b"id", "recorded", b"recorded", "released", b"released", "result", b"result", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["admitted", "recorded", "released", "error_json", "weight_version"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
-Global___CompleteChatResponse: _TypeAlias = CompleteChatResponse  # noqa: Y015
+Global___LedgerResponse: _TypeAlias = LedgerResponse  # noqa: Y015
 
 @_typing.final
 class ResolveKeyRequest(_message.Message):
@@ -466,53 +589,6 @@ class GetHistoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetHistoryResponse: _TypeAlias = GetHistoryResponse  # noqa: Y015
-
-@_typing.final
-class AbortTurnRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    KEY_DIGEST_FIELD_NUMBER: _builtins.int
-    WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    key_digest: _builtins.str
-    worker_address: _builtins.str
-    """host:port of the worker running the turn (the one the Chat request named)."""
-    request_id: _builtins.str
-    """The request_id of the turn's Chat request."""
-    def __init__(
-        self,
-        *,
-        key_digest: _builtins.str = ...,
-        worker_address: _builtins.str = ...,
-        request_id: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_digest", b"key_digest", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortTurnRequest: _TypeAlias = AbortTurnRequest  # noqa: Y015
-
-@_typing.final
-class AbortTurnResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    FOUND_FIELD_NUMBER: _builtins.int
-    found: _builtins.bool
-    """True when the worker had a running turn with this request_id."""
-    def __init__(
-        self,
-        *,
-        found: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortTurnResponse: _TypeAlias = AbortTurnResponse  # noqa: Y015
 
 @_typing.final
 class IssueKeyRequest(_message.Message):

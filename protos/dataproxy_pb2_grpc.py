@@ -49,15 +49,10 @@ class DataProxyStub:
                 request_serializer=protos_dot_dataproxy__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=protos_dot_dataproxy__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
-        self.Chat = channel.unary_stream(
-                '/rollgate.v1.DataProxy/Chat',
-                request_serializer=protos_dot_dataproxy__pb2.ChatRequest.SerializeToString,
-                response_deserializer=protos_dot_dataproxy__pb2.ChatResponse.FromString,
-                _registered_method=True)
-        self.Complete = channel.unary_unary(
-                '/rollgate.v1.DataProxy/Complete',
-                request_serializer=protos_dot_dataproxy__pb2.ChatRequest.SerializeToString,
-                response_deserializer=protos_dot_dataproxy__pb2.CompleteChatResponse.FromString,
+        self.Ledger = channel.stream_stream(
+                '/rollgate.v1.DataProxy/Ledger',
+                request_serializer=protos_dot_dataproxy__pb2.LedgerRequest.SerializeToString,
+                response_deserializer=protos_dot_dataproxy__pb2.LedgerResponse.FromString,
                 _registered_method=True)
         self.ResolveKey = channel.unary_unary(
                 '/rollgate.v1.DataProxy/ResolveKey',
@@ -68,11 +63,6 @@ class DataProxyStub:
                 '/rollgate.v1.DataProxy/GetHistory',
                 request_serializer=protos_dot_dataproxy__pb2.GetHistoryRequest.SerializeToString,
                 response_deserializer=protos_dot_dataproxy__pb2.GetHistoryResponse.FromString,
-                _registered_method=True)
-        self.AbortTurn = channel.unary_unary(
-                '/rollgate.v1.DataProxy/AbortTurn',
-                request_serializer=protos_dot_dataproxy__pb2.AbortTurnRequest.SerializeToString,
-                response_deserializer=protos_dot_dataproxy__pb2.AbortTurnResponse.FromString,
                 _registered_method=True)
         self.IssueKey = channel.unary_unary(
                 '/rollgate.v1.DataProxy/IssueKey',
@@ -103,15 +93,10 @@ class DataProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Chat(self, request, context):
-        """One streaming turn: chunks as they arrive; the last message says the turn was recorded.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Complete(self, request, context):
-        """One non-streaming turn, recorded before it is returned.
+    def Ledger(self, request_iterator, context):
+        """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
+        start (admission) and the end (the record) of every turn; the gateway calls the worker
+        itself. Requests and answers are matched by id; many turns share the stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,14 +111,6 @@ class DataProxyServicer:
 
     def GetHistory(self, request, context):
         """The completed interactions of the key's current episode.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AbortTurn(self, request, context):
-        """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
-        replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,15 +141,10 @@ def add_DataProxyServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_dataproxy__pb2.EndSessionRequest.FromString,
                     response_serializer=protos_dot_dataproxy__pb2.EndSessionResponse.SerializeToString,
             ),
-            'Chat': grpc.unary_stream_rpc_method_handler(
-                    servicer.Chat,
-                    request_deserializer=protos_dot_dataproxy__pb2.ChatRequest.FromString,
-                    response_serializer=protos_dot_dataproxy__pb2.ChatResponse.SerializeToString,
-            ),
-            'Complete': grpc.unary_unary_rpc_method_handler(
-                    servicer.Complete,
-                    request_deserializer=protos_dot_dataproxy__pb2.ChatRequest.FromString,
-                    response_serializer=protos_dot_dataproxy__pb2.CompleteChatResponse.SerializeToString,
+            'Ledger': grpc.stream_stream_rpc_method_handler(
+                    servicer.Ledger,
+                    request_deserializer=protos_dot_dataproxy__pb2.LedgerRequest.FromString,
+                    response_serializer=protos_dot_dataproxy__pb2.LedgerResponse.SerializeToString,
             ),
             'ResolveKey': grpc.unary_unary_rpc_method_handler(
                     servicer.ResolveKey,
@@ -183,11 +155,6 @@ def add_DataProxyServicer_to_server(servicer, server):
                     servicer.GetHistory,
                     request_deserializer=protos_dot_dataproxy__pb2.GetHistoryRequest.FromString,
                     response_serializer=protos_dot_dataproxy__pb2.GetHistoryResponse.SerializeToString,
-            ),
-            'AbortTurn': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortTurn,
-                    request_deserializer=protos_dot_dataproxy__pb2.AbortTurnRequest.FromString,
-                    response_serializer=protos_dot_dataproxy__pb2.AbortTurnResponse.SerializeToString,
             ),
             'IssueKey': grpc.unary_unary_rpc_method_handler(
                     servicer.IssueKey,
@@ -287,7 +254,7 @@ class DataProxy:
             _registered_method=True)
 
     @staticmethod
-    def Chat(request,
+    def Ledger(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -297,39 +264,12 @@ class DataProxy:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/rollgate.v1.DataProxy/Chat',
-            protos_dot_dataproxy__pb2.ChatRequest.SerializeToString,
-            protos_dot_dataproxy__pb2.ChatResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Complete(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollgate.v1.DataProxy/Complete',
-            protos_dot_dataproxy__pb2.ChatRequest.SerializeToString,
-            protos_dot_dataproxy__pb2.CompleteChatResponse.FromString,
+            '/rollgate.v1.DataProxy/Ledger',
+            protos_dot_dataproxy__pb2.LedgerRequest.SerializeToString,
+            protos_dot_dataproxy__pb2.LedgerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -384,33 +324,6 @@ class DataProxy:
             '/rollgate.v1.DataProxy/GetHistory',
             protos_dot_dataproxy__pb2.GetHistoryRequest.SerializeToString,
             protos_dot_dataproxy__pb2.GetHistoryResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AbortTurn(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/rollgate.v1.DataProxy/AbortTurn',
-            protos_dot_dataproxy__pb2.AbortTurnRequest.SerializeToString,
-            protos_dot_dataproxy__pb2.AbortTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,18 +35,15 @@ class DataProxyStub:
     """New session, or a refresh when `api_key` is bound to an active episode."""
     SetReward: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.SetRewardRequest, _dataproxy_pb2.SetRewardResponse]
     EndSession: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.EndSessionRequest, _dataproxy_pb2.EndSessionResponse]
-    Chat: _grpc.UnaryStreamMultiCallable[_dataproxy_pb2.ChatRequest, _dataproxy_pb2.ChatResponse]
-    """One streaming turn: chunks as they arrive; the last message says the turn was recorded."""
-    Complete: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.ChatRequest, _dataproxy_pb2.CompleteChatResponse]
-    """One non-streaming turn, recorded before it is returned."""
+    Ledger: _grpc.StreamStreamMultiCallable[_dataproxy_pb2.LedgerRequest, _dataproxy_pb2.LedgerResponse]
+    """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
+    start (admission) and the end (the record) of every turn; the gateway calls the worker
+    itself. Requests and answers are matched by id; many turns share the stream.
+    """
     ResolveKey: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.ResolveKeyRequest, _dataproxy_pb2.ResolveKeyResponse]
     """Resolves a session key to its session (used by the gateway to route)."""
     GetHistory: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.GetHistoryRequest, _dataproxy_pb2.GetHistoryResponse]
     """The completed interactions of the key's current episode."""
-    AbortTurn: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.AbortTurnRequest, _dataproxy_pb2.AbortTurnResponse]
-    """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
-    replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
-    """
     IssueKey: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.IssueKeyRequest, _dataproxy_pb2.IssueKeyResponse]
     """A long-lived key issued by the admin: header mode, where X-Session-Id names the episode."""
 
@@ -57,18 +54,15 @@ class DataProxyAsyncStub(DataProxyStub):
     """New session, or a refresh when `api_key` is bound to an active episode."""
     SetReward: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.SetRewardRequest, _dataproxy_pb2.SetRewardResponse]  # type: ignore[assignment]
     EndSession: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.EndSessionRequest, _dataproxy_pb2.EndSessionResponse]  # type: ignore[assignment]
-    Chat: _aio.UnaryStreamMultiCallable[_dataproxy_pb2.ChatRequest, _dataproxy_pb2.ChatResponse]  # type: ignore[assignment]
-    """One streaming turn: chunks as they arrive; the last message says the turn was recorded."""
-    Complete: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.ChatRequest, _dataproxy_pb2.CompleteChatResponse]  # type: ignore[assignment]
-    """One non-streaming turn, recorded before it is returned."""
+    Ledger: _aio.StreamStreamMultiCallable[_dataproxy_pb2.LedgerRequest, _dataproxy_pb2.LedgerResponse]  # type: ignore[assignment]
+    """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
+    start (admission) and the end (the record) of every turn; the gateway calls the worker
+    itself. Requests and answers are matched by id; many turns share the stream.
+    """
     ResolveKey: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.ResolveKeyRequest, _dataproxy_pb2.ResolveKeyResponse]  # type: ignore[assignment]
     """Resolves a session key to its session (used by the gateway to route)."""
     GetHistory: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.GetHistoryRequest, _dataproxy_pb2.GetHistoryResponse]  # type: ignore[assignment]
     """The completed interactions of the key's current episode."""
-    AbortTurn: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.AbortTurnRequest, _dataproxy_pb2.AbortTurnResponse]  # type: ignore[assignment]
-    """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
-    replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
-    """
     IssueKey: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.IssueKeyRequest, _dataproxy_pb2.IssueKeyResponse]  # type: ignore[assignment]
     """A long-lived key issued by the admin: header mode, where X-Session-Id names the episode."""
 
@@ -96,20 +90,15 @@ class DataProxyServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_dataproxy_pb2.EndSessionResponse, _abc.Awaitable[_dataproxy_pb2.EndSessionResponse]]: ...
 
     @_abc_1.abstractmethod
-    def Chat(
+    def Ledger(
         self,
-        request: _dataproxy_pb2.ChatRequest,
+        request_iterator: _MaybeAsyncIterator[_dataproxy_pb2.LedgerRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_dataproxy_pb2.ChatResponse], _abc.AsyncIterator[_dataproxy_pb2.ChatResponse]]:
-        """One streaming turn: chunks as they arrive; the last message says the turn was recorded."""
-
-    @_abc_1.abstractmethod
-    def Complete(
-        self,
-        request: _dataproxy_pb2.ChatRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_dataproxy_pb2.CompleteChatResponse, _abc.Awaitable[_dataproxy_pb2.CompleteChatResponse]]:
-        """One non-streaming turn, recorded before it is returned."""
+    ) -> _typing.Union[_abc.Iterator[_dataproxy_pb2.LedgerResponse], _abc.AsyncIterator[_dataproxy_pb2.LedgerResponse]]:
+        """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
+        start (admission) and the end (the record) of every turn; the gateway calls the worker
+        itself. Requests and answers are matched by id; many turns share the stream.
+        """
 
     @_abc_1.abstractmethod
     def ResolveKey(
@@ -126,16 +115,6 @@ class DataProxyServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dataproxy_pb2.GetHistoryResponse, _abc.Awaitable[_dataproxy_pb2.GetHistoryResponse]]:
         """The completed interactions of the key's current episode."""
-
-    @_abc_1.abstractmethod
-    def AbortTurn(
-        self,
-        request: _dataproxy_pb2.AbortTurnRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_dataproxy_pb2.AbortTurnResponse, _abc.Awaitable[_dataproxy_pb2.AbortTurnResponse]]:
-        """Stops a running streaming turn: forwards Worker.Abort to the worker running it. The
-        replica holding the turn's Chat stream records the partial turn (finish_reason "abort").
-        """
 
     @_abc_1.abstractmethod
     def IssueKey(

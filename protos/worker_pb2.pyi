@@ -26,22 +26,40 @@ class GenerateRequest(_message.Message):
     BODY_JSON_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_JSON_FIELD_NUMBER: _builtins.int
+    PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    DELTAS_ONLY_FIELD_NUMBER: _builtins.int
     body_json: _builtins.bytes
-    """The client's OpenAI chat-completions body, raw JSON."""
+    """The client's whole OpenAI chat-completions body, raw JSON, parsed by the worker; empty
+    when the caller sends what it already parsed out of it (request_json + params_json).
+    """
     weight_version: _builtins.int
     """Weight version current when the turn started (stamped on its tokens)."""
     request_id: _builtins.str
-    """Correlation id for logs."""
+    """Correlation id for logs; also what Abort names."""
+    request_json: _builtins.bytes
+    """The recorded part of the body as the gateway serialized it: {"tools"?, "messages"}.
+    The worker forwards it without parsing it (it is most of a 60 KB agent request).
+    """
+    params_json: _builtins.bytes
+    """Every other field of the body, a JSON object (model, stream, sampling parameters, ...)."""
+    deltas_only: _builtins.bool
+    """Streaming: send each batch's text and tool-call deltas (`ChunkBatch.delta`) instead of
+    client chunks (the Responses and WebSocket bridges build their own events from them).
+    """
     def __init__(
         self,
         *,
         body_json: _builtins.bytes = ...,
         weight_version: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        request_json: _builtins.bytes = ...,
+        params_json: _builtins.bytes = ...,
+        deltas_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "request_id", b"request_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "deltas_only", b"deltas_only", "params_json", b"params_json", "request_id", b"request_id", "request_json", b"request_json", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -49,6 +67,10 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
+    """Chunks, the record, or both: the chunks that arrived with the end of the answer travel in
+    the same message as the record.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CHUNKS_FIELD_NUMBER: _builtins.int
@@ -67,13 +89,11 @@ class GenerateResponse(_message.Message):
         chunks: Global___ChunkBatch | None = ...,
         record: _common_pb2.TurnRecord | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "kind", b"kind", "record", b"record"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "kind", b"kind", "record", b"record"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "record", b"record"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["chunks", "record"]  # noqa: Y015
-    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
@@ -83,26 +103,88 @@ class ChunkBatch(_message.Message):
 
     CHUNKS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
     output_tokens: _builtins.int
     """Sampled output tokens (of the recorded sample, choice 0) these chunks carry: counted from
-    token ids when the upstream gives them, else from logprob entries. The dataproxy stamps
+    token ids when the upstream gives them, else from logprob entries. The gateway stamps
     them with the weight version current as the batch passes (docs/lifecycle.md).
     """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def delta(self) -> Global___Delta:
+        """With deltas_only: what these chunks added to the answer of choice 0."""
+
     def __init__(
         self,
         *,
         chunks: _abc.Iterable[_builtins.bytes] | None = ...,
         output_tokens: _builtins.int = ...,
+        delta: Global___Delta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "output_tokens", b"output_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "delta", b"delta", "output_tokens", b"output_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChunkBatch: _TypeAlias = ChunkBatch  # noqa: Y015
+
+@_typing.final
+class Delta(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    content: _builtins.str
+    reasoning: _builtins.str
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]: ...
+    def __init__(
+        self,
+        *,
+        content: _builtins.str = ...,
+        reasoning: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "reasoning", b"reasoning", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Delta: _TypeAlias = Delta  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A fragment of one tool call; id and name are set on its first fragment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
 
 @_typing.final
 class CompleteResponse(_message.Message):

@@ -10,7 +10,6 @@ import redis.asyncio as aioredis
 
 from protos import console_pb2_grpc, dataproxy_pb2_grpc, trainer_pb2_grpc
 from services.dataproxy.access_keys import AccessKeyStore
-from services.dataproxy.chat import TurnRunner
 from services.dataproxy.console_servicer import ConsoleServicer
 from services.dataproxy.control import CapacityPolicy, Control, WeightVersionView
 from services.dataproxy.conversations_servicer import (
@@ -20,6 +19,7 @@ from services.dataproxy.conversations_servicer import (
 from services.dataproxy.error_log import ErrorLog
 from services.dataproxy.history import HistorySampler
 from services.dataproxy.keys_servicer import add_KeysServicer_to_server, build_keys
+from services.dataproxy.ledger_streams import LedgerStreams, OpHook
 from services.dataproxy.metrics import DataProxyMetrics, global_values
 from services.dataproxy.overview import Overview
 from services.dataproxy.reaper import Reaper
@@ -31,11 +31,13 @@ from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.stream_trim import StreamTrimmer
 from services.dataproxy.trainer_auth import TrainerAuth
 from services.dataproxy.trainer_servicer import TrainerServicer, build_control
-from services.runtime.grpc_client import ChannelPool
+from services.dataproxy.turn_ledger import TurnLedger
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.metrics import (
+    ErrorHook,
     ExporterLease,
     MetricsServer,
+    RpcMetrics,
     RpcMetricsInterceptor,
     ServiceMetrics,
 )
@@ -78,24 +80,34 @@ def build_dataproxy(
     *,
     redis: aioredis.Redis,
     settings: DataProxySettings,
-    channels: ChannelPool,
     versions: WeightVersionView,
     store: SessionStore | None = None,
     control: Control | None = None,
-) -> DataProxyServicer:
-    """The DataProxy servicer over one Redis client, one worker channel pool and the
-    process's weight-version view."""
+    on_op: OpHook | None = None,
+) -> tuple[DataProxyServicer, LedgerStreams]:
+    """The DataProxy servicer over one Redis client and the process's weight-version view,
+    and its ledger streams (drained first on shutdown; `on_op` sees each ledger op end)."""
     store = store or build_store(redis=redis, settings=settings)
     keys = RedisKeys(settings.redis_prefix)
     control = control or build_control(redis=redis, keys=keys, settings=settings)
-    turns = TurnRunner(
-        store=store,
-        channels=channels,
-        turn_timeout_s=settings.turn_timeout_s,
-        control=control,
-        versions=versions,
+    streams = LedgerStreams(
+        ledger=TurnLedger(store=store, control=control), versions=versions, on_op=on_op
     )
-    return DataProxyServicer(store=store, turns=turns)
+    return DataProxyServicer(store=store, ledger=streams), streams
+
+
+def ledger_metrics(rpc: RpcMetrics, on_error: ErrorHook) -> OpHook:
+    """Counts each ledger op like an RPC: `rollgate.v1.DataProxy` method `Ledger.<op>`."""
+    service = "rollgate.v1.DataProxy"
+
+    def observe(op: str, code: str, seconds: float, message: str) -> None:
+        method = f"Ledger.{op}"
+        rpc.handled.labels(grpc_service=service, grpc_method=method, grpc_code=code).inc()
+        rpc.duration.labels(grpc_service=service, grpc_method=method).observe(seconds)
+        if code != "OK":
+            on_error(f"/{service}/{method}", code, message)
+
+    return observe
 
 
 @contextlib.asynccontextmanager
@@ -112,7 +124,6 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 f"the dataproxy cannot reach Redis ({type(err).__name__}: {err}); "
                 "check ROLLGATE_REDIS_URL"
             ) from err
-        channels = await stack.enter_async_context(ChannelPool())
         keys = RedisKeys(settings.redis_prefix)
         # One subscriber per process follows SetWeightVersion of every replica (streamed
         # turns stamp each chunk's tokens with it).
@@ -149,17 +160,18 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 interceptors=(RpcMetricsInterceptor(metrics.rpc, on_error=errors.record),),
             )
         )
-        dataproxy_pb2_grpc.add_DataProxyServicer_to_server(
-            build_dataproxy(
-                redis=redis,
-                settings=settings,
-                channels=channels,
-                versions=versions,
-                store=store,
-                control=control,
-            ),
-            server.server,
+        servicer, streams = build_dataproxy(
+            redis=redis,
+            settings=settings,
+            versions=versions,
+            store=store,
+            control=control,
+            on_op=ledger_metrics(metrics.rpc, errors.record),
         )
+        dataproxy_pb2_grpc.add_DataProxyServicer_to_server(servicer, server.server)
+        # In the stop sequence, before the server stops: no new turns; turns already admitted
+        # are recorded (their gateways send the records over these streams), then they end.
+        server.on_drain(streams.close)
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server.server)
         console_pb2_grpc.add_ConsoleServicer_to_server(
             ConsoleServicer(
@@ -179,7 +191,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             build_keys(redis=redis, prefix=settings.redis_prefix, admin_key=settings.admin_key),
             server.server,
         )
-        # Entered last, so it stops first: in-flight turns drain while Redis and channels live.
+        # Entered last, so it stops first: in-flight turns drain while Redis lives.
         await stack.enter_async_context(server)
         # Runs before the server stops: open trainer pulls end now instead of holding the grace.
         stack.push_async_callback(trainer.close)

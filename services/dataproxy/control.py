@@ -298,6 +298,7 @@ class WeightVersionView:
         self._retry_s = retry_s
         self._current = 0
         self._task: asyncio.Task[None] | None = None
+        self._listeners: set[Callable[[int], None]] = set()
 
     @property
     def current(self) -> int:
@@ -309,6 +310,13 @@ class WeightVersionView:
         if version > self._current:
             log.info("weight_version_seen", version=version, previous=self._current)
             self._current = version
+            for listener in list(self._listeners):
+                listener(version)
+
+    def listen(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        """Calls `listener(version)` on every move (no I/O in it); returns the unsubscribe."""
+        self._listeners.add(listener)
+        return lambda: self._listeners.discard(listener)
 
     async def __aenter__(self) -> WeightVersionView:
         await self._reread()

@@ -1,39 +1,25 @@
-"""The DataProxy gRPC service: glue between protobuf and the session store and turn runner."""
+"""The DataProxy gRPC service: glue between protobuf, the session store and the turn ledger."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
 
 from protos import dataproxy_pb2, dataproxy_pb2_grpc
-from services.dataproxy.chat import RecordedTurn, TurnRequest, TurnRunner
+from services.dataproxy.ledger_streams import LedgerStreams
 from services.dataproxy.sessions import SessionStore
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
-def _turn_request(request: dataproxy_pb2.ChatRequest) -> TurnRequest:
-    return TurnRequest(
-        key_digest=request.key_digest,
-        worker_address=request.worker_address,
-        body_json=request.body_json,
-        request_id=request.request_id,
-        interaction_id=request.interaction_id,
-        session_id=request.session_id,
-        turn_type=request.turn_type or "main",
-        session_done=request.session_done,
-    )
-
-
 class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
-    """Sessions, rewards and chat turns over gRPC."""
+    """Sessions, rewards and the turn ledger over gRPC."""
 
-    def __init__(self, *, store: SessionStore, turns: TurnRunner) -> None:
+    def __init__(self, *, store: SessionStore, ledger: LedgerStreams) -> None:
         self._store = store
-        self._turns = turns
+        self._ledger = ledger
 
     async def StartSession(
         self, request: dataproxy_pb2.StartSessionRequest, context: Context
@@ -74,22 +60,11 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
             interaction_count=ended.interaction_count,
         )
 
-    async def Chat(
-        self, request: dataproxy_pb2.ChatRequest, context: Context
-    ) -> AsyncIterator[dataproxy_pb2.ChatResponse]:
-        async with contextlib.aclosing(self._turns.stream(_turn_request(request))) as items:
-            async for item in items:
-                yield _chat_response(item)
-
-    async def Complete(
-        self, request: dataproxy_pb2.ChatRequest, context: Context
-    ) -> dataproxy_pb2.CompleteChatResponse:
-        done = await self._turns.complete(_turn_request(request))
-        return dataproxy_pb2.CompleteChatResponse(
-            body_json=done.body_json,
-            interaction_id=done.turn.interaction_id,
-            session_id=done.turn.session_id,
-        )
+    async def Ledger(
+        self, request_iterator: AsyncIterator[dataproxy_pb2.LedgerRequest], context: Context
+    ) -> AsyncIterator[dataproxy_pb2.LedgerResponse]:
+        async for answer in self._ledger.serve(request_iterator):
+            yield answer
 
     async def IssueKey(
         self, request: dataproxy_pb2.IssueKeyRequest, context: Context
@@ -118,23 +93,3 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
                 for iid, data in history.entries
             ],
         )
-
-    async def AbortTurn(
-        self, request: dataproxy_pb2.AbortTurnRequest, context: Context
-    ) -> dataproxy_pb2.AbortTurnResponse:
-        found = await self._turns.abort(
-            key_digest=request.key_digest,
-            worker_address=request.worker_address,
-            request_id=request.request_id,
-        )
-        return dataproxy_pb2.AbortTurnResponse(found=found)
-
-
-def _chat_response(item: list[bytes] | RecordedTurn) -> dataproxy_pb2.ChatResponse:
-    if isinstance(item, RecordedTurn):
-        return dataproxy_pb2.ChatResponse(
-            done=dataproxy_pb2.ChatDone(
-                interaction_id=item.interaction_id, session_id=item.session_id
-            )
-        )
-    return dataproxy_pb2.ChatResponse(chunks=dataproxy_pb2.ChunkList(chunks=item))

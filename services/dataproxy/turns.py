@@ -98,8 +98,9 @@ VERSIONS_UNCOUNTED = "admission_uncounted"
 
 
 def output_length(record: common_pb2.TurnRecord) -> int:
-    """Output tokens as the trajectory counts them: the ids, else the logprobs."""
-    return len(record.output_token_ids) or len(record.output_logprobs)
+    """Output tokens as the trajectory counts them: the ids, else the logprobs (both packed,
+    four bytes each)."""
+    return (len(record.output_token_ids) or len(record.output_logprobs)) // 4
 
 
 def per_token_versions(spans: Sequence[tuple[int, int]], n_output: int) -> list[int] | None:
@@ -202,13 +203,21 @@ class TurnEncoder:
     """One turn's record (docs/internals.md, *Turn records*), packed once and encoded per
     attempt: the append re-encodes it when the weight version moved meanwhile."""
 
-    def __init__(self, record: common_pb2.TurnRecord, *, prior: PriorTurn | None = None) -> None:
+    def __init__(
+        self,
+        record: common_pb2.TurnRecord,
+        *,
+        request_json: bytes,
+        prior: PriorTurn | None = None,
+    ) -> None:
         self.record = record
+        self.request_json = request_json
         self.prior = prior
-        self.prompt_ids = pack_int32(record.prompt_token_ids)
-        self.output_ids = pack_int32(record.output_token_ids)
+        # The worker sends the arrays packed as they are stored: no conversion here.
+        self.prompt_ids = record.prompt_token_ids
+        self.output_ids = record.output_token_ids
         self._shared: dict[str, Any] = {}
-        request, prompt = record.request_json, self.prompt_ids
+        request, prompt = request_json, self.prompt_ids
         if prior is not None:
             shared = common_prefix(request, prior.request_json)
             if shared >= MIN_SHARED_REQUEST_BYTES:
@@ -255,7 +264,7 @@ class TurnEncoder:
                 "usage_json": record.usage_json or b"{}",
                 "prompt_token_ids": self._prompt,
                 "output_token_ids": self.output_ids,
-                "output_logprobs": pack_float32(record.output_logprobs),
+                "output_logprobs": record.output_logprobs,
                 "exact_tokens": record.exact_tokens,
                 "length_mismatch": record.length_mismatch,
                 "weight_version": weight_version,
@@ -287,7 +296,7 @@ class TurnEncoder:
         """This turn as the next one of its episode may share it, once appended at `index`."""
         return PriorTurn(
             index=index,
-            request_json=self.record.request_json,
+            request_json=self.request_json,
             token_ids=self.prompt_ids + self.output_ids,
         )
 
@@ -295,6 +304,7 @@ class TurnEncoder:
 def encode_turn(
     record: common_pb2.TurnRecord,
     *,
+    request_json: bytes,
     weight_version: int,
     now: float,
     weight_version_end: int | None = None,
@@ -303,7 +313,7 @@ def encode_turn(
     output_versions_source: str = VERSIONS_AT_ADMISSION,
 ) -> bytes:
     """The msgpack turn record of a turn stored whole (nothing shared with an earlier one)."""
-    return TurnEncoder(record).encode(
+    return TurnEncoder(record, request_json=request_json).encode(
         weight_version=weight_version,
         now=now,
         weight_version_end=weight_version_end,
@@ -318,8 +328,8 @@ def _samples(samples: Sequence[common_pb2.TurnSample]) -> list[dict[str, Any]]:
     return [
         {
             "finish_reason": sample.finish_reason,
-            "output_token_ids": pack_int32(sample.output_token_ids),
-            "output_logprobs": pack_float32(sample.output_logprobs),
+            "output_token_ids": sample.output_token_ids,
+            "output_logprobs": sample.output_logprobs,
             "exact_tokens": sample.exact_tokens,
             "length_mismatch": sample.length_mismatch,
             "assistant_message_json": sample.assistant_message_json,

@@ -17,7 +17,7 @@ from services.gateway import (
     url_sessions,
     ws,
 )
-from services.gateway.backends import SETTINGS, backends_ctx
+from services.gateway.backends import ROUTE_CACHE, SETTINGS, backends_ctx
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
@@ -36,7 +36,7 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
-    app[chat.ROUTE_CACHE] = RouteCache(
+    app[ROUTE_CACHE] = RouteCache(
         ttl_s=settings.route_cache_ttl_s, max_entries=settings.route_cache_size
     )
     app[health.METRICS] = health.Metrics(metrics.registry if metrics is not None else None)

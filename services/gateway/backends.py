@@ -1,4 +1,5 @@
-"""The gateway's gRPC peers (router, dataproxy), opened once per app and closed on shutdown."""
+"""The gateway's gRPC peers (router, dataproxy, workers), opened once per app, closed on
+shutdown, and the turn relay over them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 
 from protos import console_pb2_grpc, dataproxy_pb2_grpc, router_pb2_grpc
+from services.gateway.ledger import LedgerClient
+from services.gateway.relay import RouterRoutes, TurnRelay
+from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
-from services.runtime.grpc_client import open_channel
+from services.runtime.grpc_client import ChannelPool, open_channel
 from services.runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -23,37 +27,62 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Backends:
-    """Stubs on the two channels the gateway owns."""
+    """Stubs on the channels the gateway owns, the turn ledger and the workers' channels."""
 
     router: RouterAsyncStub
     dataproxy: DataProxyAsyncStub
     router_health: Any
     dataproxy_health: Any
+    ledger: LedgerClient
+    # The workers the router names, by address (the relay calls them directly).
+    workers: ChannelPool
     # The dataproxy's read-only Console service (the live page, `rollgate status`).
     console: Any = None
 
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 BACKENDS = web.AppKey("backends", Backends)
+ROUTE_CACHE = web.AppKey("route_cache", RouteCache)
+RELAY = web.AppKey("relay", TurnRelay)
+
+
+def target_size(target: str) -> int:
+    """How many addresses a gRPC target lists (`ipv4:a:1,b:2` → 2)."""
+    return target.count(",") + 1
 
 
 async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: opens the router and dataproxy channels, closes them on shutdown."""
+    """cleanup_ctx: opens the router, dataproxy and worker channels, closes them on shutdown
+    (after the in-flight requests: aiohttp runs cleanup contexts last)."""
     settings = app[SETTINGS]
     router_channel = open_channel(settings.router_addr)
     dataproxy_channel = open_channel(settings.dataproxy_addr)
-    try:
-        app[BACKENDS] = Backends(
-            router=cast("RouterAsyncStub", router_pb2_grpc.RouterStub(router_channel)),
-            dataproxy=cast(
-                "DataProxyAsyncStub", dataproxy_pb2_grpc.DataProxyStub(dataproxy_channel)
-            ),
-            router_health=health_pb2_grpc.HealthStub(router_channel),
-            dataproxy_health=health_pb2_grpc.HealthStub(dataproxy_channel),
-            console=console_pb2_grpc.ConsoleStub(dataproxy_channel),
-        )
-        log.info("backends_opened", router=settings.router_addr, dataproxy=settings.dataproxy_addr)
-        yield
-    finally:
-        await router_channel.close()
-        await dataproxy_channel.close()
+    async with ChannelPool() as workers:
+        dataproxy = cast("DataProxyAsyncStub", dataproxy_pb2_grpc.DataProxyStub(dataproxy_channel))
+        router = cast("RouterAsyncStub", router_pb2_grpc.RouterStub(router_channel))
+        # One ledger stream per dataproxy replica the target lists (round-robin spreads them).
+        ledger = LedgerClient(dataproxy, streams=target_size(settings.dataproxy_addr))
+        try:
+            app[BACKENDS] = Backends(
+                router=router,
+                dataproxy=dataproxy,
+                router_health=health_pb2_grpc.HealthStub(router_channel),
+                dataproxy_health=health_pb2_grpc.HealthStub(dataproxy_channel),
+                ledger=ledger,
+                workers=workers,
+                console=console_pb2_grpc.ConsoleStub(dataproxy_channel),
+            )
+            app[RELAY] = TurnRelay(
+                routes=RouterRoutes(router, app[ROUTE_CACHE]),
+                ledger=ledger,
+                workers=workers,
+                rpc_timeout_s=settings.rpc_timeout_s,
+            )
+            log.info(
+                "backends_opened", router=settings.router_addr, dataproxy=settings.dataproxy_addr
+            )
+            yield
+        finally:
+            await ledger.close()
+            await router_channel.close()
+            await dataproxy_channel.close()

@@ -18,10 +18,11 @@ import orjson
 from aiohttp import web
 
 from services.gateway.auth import require_session_key
-from services.gateway.backends import SETTINGS
+from services.gateway.backends import RELAY, SETTINGS
 from services.gateway.chat import SSE_DONE, SSE_HEADERS
 from services.gateway.header_mode import TurnTags, turn_tags
 from services.gateway.http_errors import json_response
+from services.gateway.relay import Delta, Done, Event, bridge_spec
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
 from services.gateway.responses_translate import (
     ItemIds,
@@ -36,7 +37,6 @@ from services.gateway.responses_translate import (
     status_of,
     usage,
 )
-from services.gateway.responses_upstream import Completion, Delta, stream_chat
 from services.runtime.errors import NotFound, RollgateError
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
@@ -201,11 +201,13 @@ class ResponseBuilder:
                 )
         return events
 
-    def finish(self, done: Completion) -> tuple[dict[str, Any], list[bytes]]:
-        """The final response and the events that close every open item and the response."""
+    def finish(self, done: Done) -> tuple[dict[str, Any], list[bytes]]:
+        """The final response and the events that close every open item and the response
+        (after the deltas that came with the end)."""
         status, incomplete = status_of(done.finish_reason)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        events = self._close_reasoning()
+        events = self.delta(done.tail_delta) if done.tail_delta is not None else []
+        events += self._close_reasoning()
         events += self._close_text(item_status if not self._open_calls else "completed")
         events += self._close_calls(item_status)
         if not self.output:
@@ -261,8 +263,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses and /responses."""
     digest, call, body = await _prepare_turn(request)
     builder = ResponseBuilder(call, response_id=new_id("resp"))
-    upstream = stream_chat(
-        request,
+    spec = bridge_spec(
         digest=digest,
         body=body,
         request_id=uuid.uuid4().hex,
@@ -272,14 +273,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         # Header-mode keys: X-Session-Id (or a /sessions/<id>/ path) names the episode.
         tags=turn_tags(request.headers, TurnTags()),
     )
+    upstream = request.app[RELAY].stream(spec)
     async with contextlib.aclosing(upstream) as items:
         if call.stream:
             return await _stream(request, digest, builder, items)
-        done: Completion | None = None
+        done: Done | None = None
         async for item in items:
             if isinstance(item, Delta):
                 builder.delta(item)
-            else:
+            elif isinstance(item, Done):
                 done = item
     assert done is not None
     final, _ = builder.finish(done)
@@ -293,17 +295,18 @@ async def _stream(
     request: web.Request,
     digest: str,
     builder: ResponseBuilder,
-    items: AsyncIterator[Delta | Completion],
+    items: AsyncIterator[Event],
 ) -> web.StreamResponse:
     # The first item comes before any header: an early failure is a plain JSON error.
     first = await anext(items)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     await response.write(b"".join(builder.start()))
-    item: Delta | Completion = first
+    item: Event = first
     try:
-        while isinstance(item, Delta):
-            await response.write(b"".join(builder.delta(item)))
+        while not isinstance(item, Done):
+            if isinstance(item, Delta):
+                await response.write(b"".join(builder.delta(item)))
             item = await anext(items)
         final, events = builder.finish(item)
         await _store(request, digest, builder.call, final)

@@ -19,7 +19,7 @@ import grpc
 import orjson
 from aiohttp import WebSocketError, WSCloseCode, WSMsgType, web
 
-from protos import dataproxy_pb2, router_pb2
+from protos import dataproxy_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
@@ -119,21 +119,22 @@ class ModelPicker:
 
 
 class TurnAborter:
-    """Stops a run's upstream generation through the dataproxy (`AbortTurn` → the worker)."""
+    """Stops a run's upstream generation: `Worker.Abort` on the worker streaming it, which
+    ends the stream normally, so the partial turn is recorded like any other."""
 
     def __init__(self, app: web.Application) -> None:
         self._app = app
 
     async def __call__(self, digest: str, worker_address: str, request_id: str) -> bool:
+        stub = worker_pb2_grpc.WorkerStub(self._app[BACKENDS].workers.get(worker_address))
         try:
-            answer = await self._app[BACKENDS].dataproxy.AbortTurn(
-                dataproxy_pb2.AbortTurnRequest(
-                    key_digest=digest, worker_address=worker_address, request_id=request_id
-                ),
+            answer = await stub.Abort(
+                worker_pb2.AbortRequest(request_id=request_id),
                 timeout=self._app[SETTINGS].rpc_timeout_s,
             )
         except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, hop="dataproxy") from None
+            raise from_rpc_error(err, hop="worker") from None
+        log.info("turn_abort_forwarded", request_id=request_id, found=answer.found)
         return bool(answer.found)
 
 

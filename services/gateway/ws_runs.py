@@ -24,8 +24,10 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from services.gateway.backends import RELAY
+from services.gateway.header_mode import TurnTags, turn_tags
+from services.gateway.relay import Delta, Done, bridge_spec
 from services.gateway.responses_store import ConversationsClient
-from services.gateway.responses_upstream import Completion, Delta, stream_chat
 from services.gateway.ws_protocol import WsConfig, now_ms
 from services.runtime.errors import RollgateError, UpstreamTimeout
 from services.runtime.logs import get_logger
@@ -137,7 +139,7 @@ class Runs:
     async def abort(self, digest: str, conversation: str, run_id: str = "") -> list[str]:
         """Stops the running generation (and drops queued messages) of a conversation.
 
-        The running turn is stopped through the worker (AbortTurn), so its stream ends normally
+        The running turn is stopped through the worker (Worker.Abort), so its stream ends normally
         and the partial turn is recorded; when that fails the run's task is cancelled instead
         (nothing recorded).
         """
@@ -309,23 +311,26 @@ class Runs:
         def routed(address: str) -> None:
             lane.worker_address = address
 
-        upstream = stream_chat(
-            primary.request,
+        spec = bridge_spec(
             digest=lane.digest,
             body=body,
             request_id=stream.run_id,
             timeout_s=max(timeout_s, 0.001),
             # The run is the interaction the client saw: set_reward takes the runId.
             interaction_id=stream.run_id,
-            on_routed=routed,
+            # OpenClaw-RL's session headers of the connection's upgrade request, if it sent any.
+            tags=turn_tags(primary.request.headers, TurnTags()),
         )
+        upstream = primary.request.app[RELAY].stream(spec, on_routed=routed)
         async with contextlib.aclosing(upstream) as items:
             async for item in items:
                 if isinstance(item, Delta):
                     await stream.delta(item.content)
-                else:
+                elif isinstance(item, Done):
+                    if item.tail_delta is not None:
+                        await stream.delta(item.tail_delta.content)
                     return _ok(item)
-        raise AssertionError("unreachable: stream_chat ends with a Completion")
+        raise AssertionError("unreachable: the relay ends with Done")
 
     async def _failed(
         self, batch: list[Message], stream: _EventStream, err: RollgateError
@@ -336,7 +341,7 @@ class Runs:
         return result
 
 
-def _ok(done: Completion) -> RunResult:
+def _ok(done: Done) -> RunResult:
     return RunResult(
         status="ok",
         text=done.content,

@@ -53,15 +53,19 @@ class RollgateError(Exception):
         """The OpenAI-style error body."""
         return {"error": {"message": self.message, "type": self.error_type, "code": self.code}}
 
-    def to_metadata(self) -> tuple[tuple[str, bytes], ...]:
-        """Trailing metadata that lets the receiver rebuild this error exactly."""
+    def to_payload(self) -> bytes:
+        """This error as JSON {kind, message, code, retry_after_s}: `from_payload` rebuilds it."""
         payload = {
             "kind": type(self).__name__,
             "message": self.message,
             "code": self.code,
             "retry_after_s": self.retry_after_s,
         }
-        return ((ERROR_METADATA_KEY, orjson.dumps(payload)),)
+        return orjson.dumps(payload)
+
+    def to_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        """Trailing metadata that lets the receiver rebuild this error exactly."""
+        return ((ERROR_METADATA_KEY, self.to_payload()),)
 
 
 class InvalidRequest(RollgateError):
@@ -184,23 +188,27 @@ def check_identifier(value: str, name: str, *, limit: int = MAX_IDENTIFIER_CHARS
     return value
 
 
+def from_payload(value: bytes) -> RollgateError | None:
+    """The error `RollgateError.to_payload` wrote, or None when `value` is not one."""
+    try:
+        payload = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    cls = _KINDS.get(str(payload.get("kind", "")), RollgateError)
+    retry = payload.get("retry_after_s")
+    return cls(
+        str(payload.get("message", "")),
+        code=payload.get("code") if isinstance(payload.get("code"), str) else None,
+        retry_after_s=float(retry) if isinstance(retry, int | float) else None,
+    )
+
+
 def _from_metadata(err: grpc.aio.AioRpcError) -> RollgateError | None:
     for key, value in err.trailing_metadata() or ():
-        if key != ERROR_METADATA_KEY or not isinstance(value, bytes):
-            continue
-        try:
-            payload = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(payload, dict):
-            return None
-        cls = _KINDS.get(str(payload.get("kind", "")), RollgateError)
-        retry = payload.get("retry_after_s")
-        return cls(
-            str(payload.get("message", "")),
-            code=payload.get("code") if isinstance(payload.get("code"), str) else None,
-            retry_after_s=float(retry) if isinstance(retry, int | float) else None,
-        )
+        if key == ERROR_METADATA_KEY and isinstance(value, bytes):
+            return from_payload(value)
     return None
 
 

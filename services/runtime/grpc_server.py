@@ -126,10 +126,10 @@ async def _abort(
 ) -> NoReturn:
     if isinstance(err, grpc.aio.AbortError):
         raise err  # the servicer ended the RPC itself
-    await abort_with(context, _as_rollgate_error(err, service=service, method=method))
+    await abort_with(context, as_rollgate_error(err, service=service, method=method))
 
 
-def _as_rollgate_error(err: Exception, *, service: str, method: str) -> RollgateError:
+def as_rollgate_error(err: Exception, *, service: str, method: str) -> RollgateError:
     if isinstance(err, RollgateError):
         return err
     if isinstance(err, RedisError):
@@ -182,6 +182,16 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
+        # What must end before the server stops (long-lived streams that end on their own
+        # once their work is done), each given the grace period.
+        self._drains: list[Callable[[float], Awaitable[None]]] = []
+        # True from the start of `stop` (health NOT_SERVING, drains running).
+        self.draining = False
+
+    def on_drain(self, drain: Callable[[float], Awaitable[None]]) -> None:
+        """Runs `drain(grace_s)` in `stop`, after health goes NOT_SERVING, before the server
+        stops taking RPCs (the streams it ends may still carry the end of running work)."""
+        self._drains.append(drain)
 
     async def __aenter__(self) -> GrpcServer:
         self.port = self.server.add_insecure_port(f"{self.spec.host}:{self.spec.port}")
@@ -198,7 +208,11 @@ class GrpcServer:
 
     async def stop(self) -> None:
         """Health → NOT_SERVING, refuse new RPCs, let in-flight ones finish within the grace."""
+        self.draining = True
         await self.health.enter_graceful_shutdown()
+        drains, self._drains = self._drains, []
+        for drain in drains:
+            await drain(self.spec.grace_s)
         await self.server.stop(self.spec.grace_s)
         log.info("service_stopped", name=self.spec.name)
 

@@ -31,8 +31,8 @@ class UpstreamAdapter(Protocol):
     def prepare(self, body: dict[str, Any]) -> None:
         """Adds this kind's fields to the upstream body."""
 
-    def encode(self, body: dict[str, Any]) -> bytes:
-        """The upstream's request bytes for the prepared chat body."""
+    def encode(self, body: dict[str, Any], request_json: bytes) -> bytes:
+        """The upstream's request bytes for the prepared parameters and the recorded part."""
         ...
 
     def translator(self, upstream_body: bytes, model: str) -> Translator:

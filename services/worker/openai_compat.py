@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol
 
-import orjson
-
 from services.worker.turn import TurnAccumulator
+from services.worker.upstream import chat_body
 
 
 class Translator(Protocol):
@@ -47,9 +46,9 @@ class OpenAICompatAdapter:
     def prepare(self, body: dict[str, Any]) -> None:
         """Adds this kind's fields to the upstream body (none for plain OpenAI)."""
 
-    def encode(self, body: dict[str, Any]) -> bytes:
-        """The upstream's request bytes for the prepared chat body."""
-        return orjson.dumps(body)
+    def encode(self, body: dict[str, Any], request_json: bytes) -> bytes:
+        """The upstream's request bytes: the recorded part with the parameters spliced in."""
+        return chat_body(body, request_json)
 
     def translator(self, upstream_body: bytes, model: str) -> Translator:
         """A per-turn translator of the upstream's JSON into chat JSON."""

@@ -259,10 +259,11 @@ class SglangGenerateAdapter(SglangChatAdapter):
         """The server root's `/generate` (not under /v1)."""
         return base_url.removesuffix("/v1") + "/generate"
 
-    def encode(self, body: dict[str, Any]) -> bytes:
+    def encode(self, body: dict[str, Any], request_json: bytes) -> bytes:
         """The `/generate` body: input_ids from the chat template, sampling_params, logprobs."""
-        tools = body.get("tools")
-        prompt = render_chatml(body["messages"], tools if isinstance(tools, list) else None)
+        recorded = orjson.loads(request_json)
+        tools = recorded.get("tools")
+        prompt = render_chatml(recorded["messages"], tools if isinstance(tools, list) else None)
         params: dict[str, Any] = {"skip_special_tokens": False}
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if isinstance(limit, int):

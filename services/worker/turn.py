@@ -72,7 +72,6 @@ class TurnResult:
     upstream_kind: str
     length_mismatch: bool
     started_at_unix_s: float
-    request_json: bytes
     # Samples 1..G-1 of a group-sampled call (empty unless n_samples > 1).
     extra_samples: tuple[TurnSample, ...] = ()
 
@@ -117,9 +116,35 @@ def _entry_bytes(entry: dict[str, Any]) -> bytes:
 
 
 def _int_list(value: Any) -> list[int] | None:
-    if not isinstance(value, list):
-        return None
-    return [int(v) for v in value]
+    # orjson gives ints; the servicer packs them as int32 and refuses anything else there
+    # (converting 12k prompt ids one by one here cost ~0.4 ms a turn).
+    return value if isinstance(value, list) else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallFragment:
+    """What a batch added to one tool call (id and name once, with its first fragment)."""
+
+    index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnswerDelta:
+    """What a batch of chunks added to the answer: text, reasoning, tool-call fragments."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallFragment, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+# Where an accumulator stood: content parts, reasoning parts, each tool call's arguments.
+Mark = tuple[int, int, dict[int, int]]
 
 
 class TurnAccumulator:
@@ -202,6 +227,37 @@ class TurnAccumulator:
             if isinstance(arguments, str):
                 call["function"]["arguments"] += arguments
 
+    def mark(self) -> Mark:
+        """Where the answer stands now (for `delta_since`)."""
+        return (
+            len(self.content),
+            len(self.reasoning),
+            {i: len(c["function"]["arguments"]) for i, c in self.tool_calls.items()},
+        )
+
+    def delta_since(self, mark: Mark) -> AnswerDelta:
+        """What the answer gained since `mark`."""
+        content, reasoning, calls = mark
+        fragments = []
+        for index, call in sorted(self.tool_calls.items()):
+            arguments = call["function"]["arguments"]
+            seen = calls.get(index)
+            if seen is not None and seen == len(arguments):
+                continue
+            fragments.append(
+                ToolCallFragment(
+                    index=index,
+                    call_id=call["id"] if seen is None else "",
+                    name=call["function"]["name"] if seen is None else "",
+                    arguments=arguments[seen or 0 :],
+                )
+            )
+        return AnswerDelta(
+            content="".join(self.content[content:]),
+            reasoning="".join(self.reasoning[reasoning:]),
+            tool_calls=tuple(fragments),
+        )
+
     def add_completion(self, body: dict[str, Any]) -> None:
         """Absorbs one non-streaming `chat.completion` body."""
         self._read_header(body)
@@ -261,7 +317,7 @@ class TurnAccumulator:
             message["tool_calls"] = tool_calls
         return message
 
-    def result(self, *, kind: str, request_json: bytes, timing: TurnTiming) -> TurnResult:
+    def result(self, *, kind: str, timing: TurnTiming) -> TurnResult:
         """The turn's record. Lengths are never padded or truncated: a mismatch is flagged."""
         output_ids = self.output_token_ids
         exact = output_ids is not None
@@ -280,7 +336,6 @@ class TurnAccumulator:
             upstream_kind=kind,
             length_mismatch=exact and len(self.logprobs) != len(output_ids or []),
             started_at_unix_s=timing.started_at_unix_s,
-            request_json=request_json,
         )
 
 

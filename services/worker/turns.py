@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from services.worker.adapters import UpstreamAdapter
 from services.worker.chat_template import render_chatml
 from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import (
+    AnswerDelta,
     TurnAccumulator,
     TurnResult,
     TurnTiming,
@@ -27,11 +28,11 @@ from services.worker.turn import (
 )
 from services.worker.upstream import (
     DONE,
+    ClientRequest,
     RequestPolicy,
     UpstreamClient,
     UpstreamRequest,
     build_upstream_request,
-    parse_client_body,
 )
 
 log = get_logger(__name__)
@@ -43,8 +44,12 @@ class StreamBatch:
 
     chunks: list[bytes]
     # Tokens of sample 0 (the recorded one) in these chunks: ids when the upstream gives
-    # them, else logprob entries. The dataproxy stamps them with the current weight version.
+    # them, else logprob entries. The gateway stamps them with the current weight version.
     output_tokens: int
+    # With deltas_only: what the chunks added to sample 0's answer (instead of `chunks`).
+    delta: AnswerDelta | None = None
+    # True for the batch that ended the answer: the record follows at once.
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,6 +142,20 @@ class _Group:
 ABORT = "abort"
 
 
+class _Abort:
+    """One streaming turn's abort switch: tripping it closes the upstream response."""
+
+    def __init__(self) -> None:
+        self.tripped = False
+        self.response: Any = None
+
+    def trip(self) -> None:
+        self.tripped = True
+        if self.response is not None:
+            # Ends the pending read and stops the generation upstream.
+            self.response.close()
+
+
 def _abort_chunk(acc: TurnAccumulator) -> dict[str, Any]:
     """The last chunk the client gets from an aborted stream: finish_reason "abort"."""
     return {
@@ -146,29 +165,6 @@ def _abort_chunk(acc: TurnAccumulator) -> dict[str, Any]:
         "model": acc.model,
         "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": ABORT}],
     }
-
-
-async def _until_set(
-    source: AsyncIterator[list[bytes]], stop: asyncio.Event
-) -> AsyncGenerator[list[bytes], None]:
-    """The items of `source` until `stop` is set (the pending read is cancelled then)."""
-    waiter = asyncio.ensure_future(stop.wait())
-    try:
-        while not stop.is_set():
-            step = asyncio.ensure_future(anext(source))
-            await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await step
-                return
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        waiter.cancel()
 
 
 def _index_zero(choices: list[Any]) -> bool:
@@ -193,8 +189,8 @@ class TurnRunner:
         self._tokenizer = tokenizer
         self._url = adapter.endpoint(upstream.base_url)
         self._in_flight = 0
-        # request_id → abort signals of the streaming turns running under it.
-        self._aborts: dict[str, set[asyncio.Event]] = {}
+        # request_id → the abort switches of the streaming turns running under it.
+        self._aborts: dict[str, set[_Abort]] = {}
         # Turns whose logprob count differed from their id count (flagged, never padded).
         self.length_mismatches = 0
 
@@ -212,13 +208,13 @@ class TurnRunner:
         """Stops the streaming turns of `request_id`: each ends with its tokens so far."""
         signals = self._aborts.get(request_id, set()) if request_id else set()
         for signal in signals:
-            signal.set()
+            signal.trip()
         log.info("turn_abort_requested", request_id=request_id, found=bool(signals))
         return bool(signals)
 
     @contextlib.contextmanager
-    def _abortable(self, request_id: str) -> Iterator[asyncio.Event]:
-        signal = asyncio.Event()
+    def _abortable(self, request_id: str) -> Iterator[_Abort]:
+        signal = _Abort()
         if request_id:
             self._aborts.setdefault(request_id, set()).add(signal)
         try:
@@ -230,9 +226,9 @@ class TurnRunner:
                 if not signals:
                     del self._aborts[request_id]
 
-    def _request(self, body_json: bytes, *, stream: bool) -> UpstreamRequest:
+    def _request(self, client: ClientRequest, *, stream: bool) -> UpstreamRequest:
         return build_upstream_request(
-            parse_client_body(body_json),
+            client,
             stream=stream,
             prepare=self._adapter.prepare,
             policy=self._policy,
@@ -244,7 +240,7 @@ class TurnRunner:
         results = {
             index: self._retokenized(
                 acc,
-                acc.result(kind=kind, request_json=request.request_json, timing=timing),
+                acc.result(kind=kind, timing=timing),
                 request,
             )
             for index, acc in sorted(group.samples.items())
@@ -271,7 +267,7 @@ class TurnRunner:
         if result.exact_tokens or self._tokenizer is None:
             return result
         ids = self._tokenizer.encode(acc.sampled_text())
-        prompt = self._tokenizer.encode(render_chatml(request.messages, request.tools))
+        prompt = self._tokenizer.encode(render_chatml(*request.conversation()))
         return dataclasses.replace(
             result,
             prompt_token_ids=result.prompt_token_ids or prompt,
@@ -281,17 +277,23 @@ class TurnRunner:
         )
 
     async def stream(
-        self, body_json: bytes, *, budget_s: float, request_id: str = ""
+        self,
+        client: ClientRequest,
+        *,
+        budget_s: float,
+        request_id: str = "",
+        deltas_only: bool = False,
     ) -> AsyncGenerator[StreamBatch | TurnResult, None]:
         """Batches of client chunks as they arrive, then the turn's record; raises RollgateError.
 
         Each batch says how many sampled tokens it carries (also when no chunk of it is for
-        the client), so the dataproxy can stamp every token with the version it ran under.
+        the client), so the gateway can stamp every token with the version it ran under.
+        With `deltas_only` a batch carries what it added to the answer instead of chunks.
 
         `abort(request_id)` ends the upstream call early: the last chunk then says
         finish_reason "abort" and the record holds the tokens sampled so far.
         """
-        request = self._request(body_json, stream=True)
+        request = self._request(client, stream=True)
         translator = self._adapter.translator(request.body, request.model)
         deadline = asyncio.get_running_loop().time() + budget_s
         group = _Group(self._adapter)
@@ -303,11 +305,14 @@ class TurnRunner:
                 async with self._upstream.post_chat(
                     request.body, deadline=deadline, url=self._url
                 ) as response:
+                    # An abort closes the response: the pending read ends, no task per read.
+                    aborted.response = response
                     events = self._upstream.read_events(response, deadline=deadline)
-                    async with contextlib.aclosing(_until_set(events, aborted)) as batches:
-                        async for payloads in batches:
+                    try:
+                        async for payloads in events:
                             batch: list[bytes] = []
                             sampled_before = group.sampled_tokens()
+                            mark = group.main.mark() if deltas_only else None
                             for payload in payloads:
                                 if payload == DONE:
                                     done = True
@@ -316,19 +321,30 @@ class TurnRunner:
                                     group.read_chunk(chunk)
                                     if group.main.output_seen:
                                         clock.mark_first_token()
+                                    if mark is not None:
+                                        continue
                                     view = client_chunk(chunk, request.ask)
                                     if view is not None:
                                         batch.append(orjson.dumps(view))
                             tokens = group.sampled_tokens() - sampled_before
-                            if batch or tokens:
-                                yield StreamBatch(chunks=batch, output_tokens=tokens)
+                            delta = group.main.delta_since(mark) if mark is not None else None
+                            if batch or tokens or (delta is not None and delta) or done:
+                                yield StreamBatch(
+                                    chunks=batch, output_tokens=tokens, delta=delta, final=done
+                                )
                             if done:
                                 break
-                if aborted.is_set() and not done and not group.finished():
+                    except UpstreamError:
+                        if not aborted.tripped:
+                            raise
+                if aborted.tripped and not done and not group.finished():
                     group.abort()
                     yield StreamBatch(
-                        chunks=[orjson.dumps(_abort_chunk(group.main))], output_tokens=0
+                        chunks=[] if deltas_only else [orjson.dumps(_abort_chunk(group.main))],
+                        output_tokens=0,
+                        final=True,
                     )
+                    done = True
             if not done and not group.finished():
                 raise UpstreamError(
                     "the upstream ended its stream before the answer was complete",
@@ -338,9 +354,9 @@ class TurnRunner:
         finally:
             self._in_flight -= 1
 
-    async def complete(self, body_json: bytes, *, budget_s: float) -> CompletedTurn:
+    async def complete(self, client: ClientRequest, *, budget_s: float) -> CompletedTurn:
         """One non-streaming upstream call: the client's body and the record."""
-        request = self._request(body_json, stream=False)
+        request = self._request(client, stream=False)
         translator = self._adapter.translator(request.body, request.model)
         deadline = asyncio.get_running_loop().time() + budget_s
         group = _Group(self._adapter)

@@ -52,17 +52,35 @@ _ERROR_BODY_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ClientRequest:
+    """A chat-completions request as the worker gets it: the recorded part as JSON bytes it
+    forwards without parsing, and every other field of the body, parsed."""
+
+    # {"tools"?, "messages"} (the gateway serialized it; what the dataproxy records).
+    request_json: bytes
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UpstreamRequest:
     """The body the upstream gets, and what the client asked to see."""
 
     body: bytes
-    # {"messages": ..., "tools": ...?} as forwarded: the turn record's request_json.
+    # {"tools"?, "messages"} as forwarded.
     request_json: bytes
     ask: ClientAsk
     model: str
-    # The forwarded messages and tools (for templates that re-render the prompt).
-    messages: list[Any] = field(default_factory=list)
-    tools: list[Any] | None = None
+
+    def conversation(self) -> tuple[list[Any], list[Any] | None]:
+        """The forwarded messages and tools, parsed (only for templates that re-render the
+        prompt: the hot path never parses them)."""
+        return _conversation(self.request_json)
+
+
+def _conversation(request_json: bytes) -> tuple[list[Any], list[Any] | None]:
+    recorded = orjson.loads(request_json)
+    tools = recorded.get("tools")
+    return list(recorded.get("messages") or []), tools if isinstance(tools, list) else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,20 +124,61 @@ def parse_client_body(body_json: bytes) -> dict[str, Any]:
     return body
 
 
+# The fields of a body that make up its recorded part (ClientRequest.request_json).
+RECORDED_FIELDS = ("tools", "messages")
+
+
+def recorded_json(body: dict[str, Any]) -> bytes:
+    """{"tools"?, "messages"} of a parsed body, tools first: the next turn's request then
+    extends this one's bytes (the dataproxy stores an open episode's shared prefix once)."""
+    recorded: dict[str, Any] = {"tools": body["tools"]} if "tools" in body else {}
+    recorded["messages"] = body["messages"]
+    return orjson.dumps(recorded)
+
+
+def client_request(*, body_json: bytes, request_json: bytes, params_json: bytes) -> ClientRequest:
+    """The request from a whole body (parsed here), or from what the gateway already parsed
+    out of it (the recorded part as is, the other fields parsed)."""
+    if not request_json:
+        body = parse_client_body(body_json)
+        params = {k: v for k, v in body.items() if k not in RECORDED_FIELDS}
+        return ClientRequest(request_json=recorded_json(body), params=params)
+    try:
+        params = orjson.loads(params_json or b"{}")
+    except orjson.JSONDecodeError as err:
+        raise InvalidRequest(f"the request parameters are not valid JSON: {err}") from None
+    if not isinstance(params, dict):
+        raise InvalidRequest("the request parameters must be a JSON object")
+    for name in RECORDED_FIELDS:
+        params.pop(name, None)
+    return ClientRequest(request_json=request_json, params=params)
+
+
+def chat_body(params: dict[str, Any], request_json: bytes) -> bytes:
+    """The upstream chat body: the recorded part's bytes with the parameters spliced in (no
+    re-serialization of the messages; `params` never holds tools or messages)."""
+    rest = orjson.dumps(params)
+    if rest == b"{}":
+        return request_json
+    return request_json[:-1] + b"," + rest[1:]
+
+
 def build_upstream_request(
-    body: dict[str, Any],
+    client: ClientRequest,
     *,
     stream: bool,
     prepare: Callable[[dict[str, Any]], None],
     policy: RequestPolicy | None = None,
-    encode: Callable[[dict[str, Any]], bytes] = orjson.dumps,
+    encode: Callable[[dict[str, Any], bytes], bytes] = chat_body,
 ) -> UpstreamRequest:
     """Strips the denylist, forces logprobs (and usage when streaming); `prepare` adds the rest.
 
     `policy` rewrites an alias to its served id and fills in default sampling parameters the
-    client left out; `encode` turns the chat body into the upstream's bytes (its own format).
+    client left out; `encode` turns the parameters and the recorded part into the upstream's
+    bytes (its own format).
     """
     policy = policy or RequestPolicy()
+    body = dict(client.params)
     ask = ClientAsk.of(body)
     if policy.n_samples > 1:
         ask = dataclasses.replace(ask, only_choice_zero=True)
@@ -135,18 +194,12 @@ def build_upstream_request(
     else:
         body.pop("stream_options", None)
     prepare(body)
-    # Tools first: the next turn's request then extends this one's bytes (the dataproxy stores
-    # the shared prefix of an open episode's requests once).
-    recorded: dict[str, Any] = {"tools": body["tools"]} if "tools" in body else {}
-    recorded["messages"] = body["messages"]
     model = body.get("model")
     return UpstreamRequest(
-        body=encode(body),
-        request_json=orjson.dumps(recorded),
+        body=encode(body, client.request_json),
+        request_json=client.request_json,
         ask=ask,
         model=model if isinstance(model, str) else "",
-        messages=body["messages"],
-        tools=body["tools"] if isinstance(body.get("tools"), list) else None,
     )
 
 

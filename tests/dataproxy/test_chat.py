@@ -1,4 +1,5 @@
-"""The chat path through a real dataproxy, a real worker and the mock LLM."""
+"""The chat path through the gateway's relay, a real dataproxy (the turn ledger), a real worker
+and the mock LLM."""
 
 from __future__ import annotations
 
@@ -16,18 +17,21 @@ import pytest
 from protos import dataproxy_pb2
 from rollgate.redis_server import free_port
 from services.dataproxy.turns import unpack_float32, unpack_int32
+from services.gateway.relay import Chunks, Done, TurnRelay
 from services.runtime.errors import (
     RollgateError,
     UpstreamError,
     UpstreamTimeout,
     from_rpc_error,
 )
+from services.runtime.grpc_client import ChannelPool
 from services.runtime.keys import key_digest
 from tests.harness.inprocess import (
     ADMIN_KEY,
     RPC_TIMEOUT_S,
     DataproxyChain,
-    collect,
+    FixedWorker,
+    chunk_payloads,
     eventually,
     running_dataproxy_chain,
 )
@@ -44,8 +48,9 @@ class Stack(DataproxyChain):
         )
         return started.api_key, key_digest(started.api_key)
 
-    def chat_request(self, digest: str, text: str, **body: Any) -> dataproxy_pb2.ChatRequest:
-        return self.make_chat_request(digest, text, request_id="req-1", **body)
+    async def in_flight(self) -> int:
+        """Turns holding an in-flight lease."""
+        return int(await self.redis.zcard(self.keys.in_flight))
 
 
 def running_stack(
@@ -77,20 +82,24 @@ async def rpc_error(call: Awaitable[Any]) -> RollgateError:
     return from_rpc_error(caught.value, hop="dataproxy")
 
 
+async def relay_error(call: Awaitable[Any]) -> RollgateError:
+    """The RollgateError a relayed turn ended with."""
+    with pytest.raises(RollgateError) as caught:
+        await call
+    return caught.value
+
+
 async def test_complete_records_the_turn_with_ids_and_logprobs_before_returning(
     stack: Stack,
 ) -> None:
     _, digest = await stack.start()
 
-    response = await stack.dataproxy.Complete(
-        stack.chat_request(digest, "hello there mock"), timeout=RPC_TIMEOUT_S
-    )
+    body, done = await stack.complete(digest, "hello there mock")
 
-    body = orjson.loads(response.body_json)
-    assert body["id"] == response.interaction_id
+    assert body["id"] == done.interaction_id
     assert "logprobs" not in body["choices"][0] or body["choices"][0]["logprobs"] is None
     (turn,) = await stack.turns(digest)
-    assert turn["interaction_id"] == response.interaction_id
+    assert turn["interaction_id"] == done.interaction_id
     assert turn["upstream_kind"] == "vllm"
     assert turn["exact_tokens"] is True
     output_ids = unpack_int32(turn["output_token_ids"])
@@ -99,34 +108,27 @@ async def test_complete_records_the_turn_with_ids_and_logprobs_before_returning(
     assert len(logprobs) == len(output_ids)
     assert all(lp <= 0.0 for lp in logprobs)
     assert unpack_int32(turn["prompt_token_ids"])
-    assert (
-        orjson.loads(turn["assistant_message_json"])["content"]
-        == (body["choices"][0]["message"]["content"])
-    )
+    assert done.message == orjson.loads(turn["assistant_message_json"])
+    assert done.content == body["choices"][0]["message"]["content"]
     assert orjson.loads(turn["request_json"])["messages"][0]["content"] == "hello there mock"
     assert turn["weight_version"] == 0
     session = await stack.dataproxy.ResolveKey(
         dataproxy_pb2.ResolveKeyRequest(key_digest=digest), timeout=RPC_TIMEOUT_S
     )
-    assert response.session_id == session.session_id
+    assert done.session_id == session.session_id
     assert session.mode == "key"
+    assert await stack.in_flight() == 0
 
 
 async def test_chat_streams_chunks_before_done_and_records_the_turn(stack: Stack) -> None:
     _, digest = await stack.start()
 
-    messages = await collect(
-        stack.dataproxy.Chat(
-            stack.chat_request(digest, "stream me a few words", stream=True),
-            timeout=RPC_TIMEOUT_S,
-        )
-    )
+    events = await stack.stream(digest, "stream me a few words")
 
-    kinds = [m.WhichOneof("kind") for m in messages]
-    assert kinds[-1] == "done"
-    assert kinds[:-1] and set(kinds[:-1]) == {"chunks"}
-    done = messages[-1].done
-    payloads = [c for m in messages[:-1] for c in m.chunks.chunks]
+    assert isinstance(events[-1], Done)
+    assert events[:-1] and all(isinstance(e, Chunks) for e in events[:-1])
+    done = events[-1]
+    payloads = chunk_payloads(events)
     first = orjson.loads(payloads[0])
     assert first["id"] == done.interaction_id
     (turn,) = await stack.turns(digest)
@@ -137,21 +139,16 @@ async def test_chat_streams_chunks_before_done_and_records_the_turn(stack: Stack
     streamed_text = "".join(
         (orjson.loads(p)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
         for p in payloads
-        if p != b"[DONE]"
     )
     assert orjson.loads(turn["assistant_message_json"])["content"] == streamed_text
+    assert done.content == streamed_text and done.finish_reason == "stop"
+    assert done.usage["completion_tokens"] == len(output_ids)
 
 
 async def test_rewarded_turns_are_published_by_end_session(stack: Stack) -> None:
     _, digest = await stack.start()
-    first = await stack.dataproxy.Complete(
-        stack.chat_request(digest, "first"), timeout=RPC_TIMEOUT_S
-    )
-    second = await collect(
-        stack.dataproxy.Chat(
-            stack.chat_request(digest, "second", stream=True), timeout=RPC_TIMEOUT_S
-        )
-    )
+    _, first = await stack.complete(digest, "first")
+    second = await stack.stream(digest, "second")
     rewarded = await stack.dataproxy.SetReward(
         dataproxy_pb2.SetRewardRequest(
             key_digest=digest, reward=2.0, interaction_id=first.interaction_id
@@ -167,9 +164,11 @@ async def test_rewarded_turns_are_published_by_end_session(stack: Stack) -> None
     )
 
     assert rewarded.interaction_id == first.interaction_id
+    last = second[-1]
+    assert isinstance(last, Done)
     assert [e.interaction_id for e in history.entries] == [
         first.interaction_id,
-        second[-1].done.interaction_id,
+        last.interaction_id,
     ]
     assert orjson.loads(history.entries[0].interaction_json)["reward"] == 2.0
     assert ended.interaction_count == 2
@@ -186,9 +185,7 @@ async def test_chat_between_episodes_is_unavailable_with_retry_after(stack: Stac
         dataproxy_pb2.EndSessionRequest(key_digest=digest), timeout=RPC_TIMEOUT_S
     )
 
-    err = await rpc_error(
-        collect(stack.dataproxy.Chat(stack.chat_request(digest, "hi"), timeout=RPC_TIMEOUT_S))
-    )
+    err = await relay_error(stack.stream(digest, "hi"))
 
     assert err.http_status == 503
     assert err.code == "episode_not_active"
@@ -198,43 +195,45 @@ async def test_chat_between_episodes_is_unavailable_with_retry_after(stack: Stac
 
 
 async def test_chat_with_an_unknown_key_is_unauthenticated(stack: Stack) -> None:
-    err = await rpc_error(
-        stack.dataproxy.Complete(
-            stack.chat_request(key_digest("sk-sess-" + "z" * 43), "hi"), timeout=RPC_TIMEOUT_S
-        )
-    )
+    err = await relay_error(stack.complete(key_digest("sk-sess-" + "z" * 43), "hi"))
 
     assert err.http_status == 401
     assert "unknown session key" in err.message
 
 
-async def test_unreachable_worker_is_unavailable_so_the_gateway_can_reroute(
-    stack: Stack,
-) -> None:
+async def test_unreachable_worker_is_unavailable_and_the_lease_released(stack: Stack) -> None:
     _, digest = await stack.start()
-    request = stack.chat_request(digest, "hi")
-    request.worker_address = f"127.0.0.1:{free_port()}"
+    routes = FixedWorker(f"127.0.0.1:{free_port()}")
+    relay = TurnRelay(routes=routes, ledger=stack.ledger, workers=ChannelPool(), rpc_timeout_s=5)
 
-    err = await rpc_error(stack.dataproxy.Complete(request, timeout=RPC_TIMEOUT_S))
+    err = await relay_error(relay.complete(stack.spec(digest, "hi")))
 
     assert err.http_status == 503
     assert err.code == "worker_unavailable"
     assert await stack.turns(digest) == []
+    assert await stack.in_flight() == 0
 
 
 async def test_upstream_failure_is_relayed_and_nothing_is_recorded(stack: Stack) -> None:
     _, digest = await stack.start()
 
-    err = await rpc_error(
-        collect(
-            stack.dataproxy.Chat(
-                stack.chat_request(digest, "/fail-500", stream=True), timeout=RPC_TIMEOUT_S
-            )
-        )
-    )
+    err = await relay_error(stack.stream(digest, "/fail-500"))
 
     assert isinstance(err, UpstreamError)
     assert await stack.turns(digest) == []
+    assert await stack.in_flight() == 0
+
+
+async def test_a_stream_broken_midway_is_not_recorded_and_releases_its_lease(
+    stack: Stack,
+) -> None:
+    _, digest = await stack.start()
+
+    err = await relay_error(stack.stream(digest, "/fail-midstream"))
+
+    assert isinstance(err, UpstreamError)
+    assert await stack.turns(digest) == []
+    await eventually_async(lambda: stack.in_flight(), 0)
 
 
 async def test_turn_that_outlives_its_episode_is_refused_and_not_recorded(
@@ -242,52 +241,63 @@ async def test_turn_that_outlives_its_episode_is_refused_and_not_recorded(
 ) -> None:
     async with running_stack(redis_url, key_prefix, token_interval_ms=40) as stack:
         api_key, digest = await stack.start()
-        call = stack.dataproxy.Chat(
-            stack.chat_request(digest, "one two three four five six seven eight", stream=True),
-            timeout=RPC_TIMEOUT_S,
+        events = stack.relay.stream(
+            stack.spec(digest, "one two three four five six seven eight", stream=True)
         )
-        first = await call.read()
-        assert first.WhichOneof("kind") == "chunks"
-        refreshed = await stack.dataproxy.StartSession(
-            dataproxy_pb2.StartSessionRequest(task_id="chat", api_key=api_key),
-            timeout=RPC_TIMEOUT_S,
-        )
+        async with contextlib.aclosing(events):
+            first = await anext(events)
+            assert isinstance(first, Chunks)
+            refreshed = await stack.dataproxy.StartSession(
+                dataproxy_pb2.StartSessionRequest(task_id="chat", api_key=api_key),
+                timeout=RPC_TIMEOUT_S,
+            )
 
-        err = await rpc_error(collect(call))
+            err = await relay_error(_drain(events))
 
         assert refreshed.refreshed
         assert err.code == "episode_ended"
         assert "the turn was not recorded" in err.message
         assert await stack.turns(digest) == []
         assert await stack.redis.xlen(stack.keys.trajectories) == 0
+        assert await stack.in_flight() == 0
 
 
-async def test_client_cancel_cancels_the_worker_call(stack: Stack) -> None:
+async def _drain(events: Any) -> list[Any]:
+    return [event async for event in events]
+
+
+async def eventually_async(read: Any, expected: Any, *, timeout_s: float = 5.0) -> None:
+    """Polls an async `read()` until it returns `expected`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (value := await read()) != expected:
+        assert asyncio.get_running_loop().time() < deadline, f"{value} != {expected}"
+        await asyncio.sleep(0.01)
+
+
+async def test_client_cancel_cancels_the_worker_call_and_releases_the_lease(
+    stack: Stack,
+) -> None:
     _, digest = await stack.start()
-    call = stack.dataproxy.Chat(
-        stack.chat_request(digest, "/hang", stream=True), timeout=RPC_TIMEOUT_S
-    )
+    turn = asyncio.create_task(stack.stream(digest, "/hang"))
     await eventually(lambda: stack.mock.stats.requests == 1)
+    assert await stack.in_flight() == 1
 
-    call.cancel()
+    turn.cancel()
 
     await eventually(lambda: stack.mock.stats.disconnects == 1)
     assert await stack.turns(digest) == []
+    await eventually_async(stack.in_flight, 0)
 
 
-async def test_turn_past_its_deadline_times_out_and_is_not_recorded(
-    redis_url: str, key_prefix: str
-) -> None:
-    async with running_stack(redis_url, key_prefix, turn_timeout_s=0.5) as stack:
-        _, digest = await stack.start()
+async def test_turn_past_its_deadline_times_out_and_is_not_recorded(stack: Stack) -> None:
+    _, digest = await stack.start()
 
-        err = await rpc_error(
-            stack.dataproxy.Complete(stack.chat_request(digest, "/hang"), timeout=RPC_TIMEOUT_S)
-        )
+    err = await relay_error(stack.complete(digest, "/hang", timeout_s=0.5))
 
-        assert isinstance(err, UpstreamTimeout)
-        assert await stack.turns(digest) == []
-        await eventually(lambda: stack.mock.stats.disconnects == 1)
+    assert isinstance(err, UpstreamTimeout)
+    assert await stack.turns(digest) == []
+    await eventually(lambda: stack.mock.stats.disconnects == 1)
+    await eventually_async(stack.in_flight, 0)
 
 
 async def test_admin_key_cannot_start_a_session(stack: Stack) -> None:
@@ -305,19 +315,17 @@ async def test_graceful_stop_lets_a_running_chat_finish_and_record(
 ) -> None:
     async with running_stack(redis_url, key_prefix, token_interval_ms=20) as stack:
         _, digest = await stack.start()
-        call = stack.dataproxy.Chat(
-            stack.chat_request(digest, "one two three four five six", stream=True),
-            timeout=RPC_TIMEOUT_S,
-        )
-        first = await call.read()
-        assert first.WhichOneof("kind") == "chunks"
+        events = stack.relay.stream(stack.spec(digest, "one two three four five six", stream=True))
+        async with contextlib.aclosing(events):
+            first = await anext(events)
+            assert isinstance(first, Chunks)
 
-        stopping = asyncio.create_task(stack.dataproxy_server.stop())
-        rest = await collect(call)
-        await stopping
+            stopping = asyncio.create_task(stack.dataproxy_server.stop())
+            rest = await _drain(events)
+            await stopping
 
-        assert [m.WhichOneof("kind") for m in rest][-2:] == ["chunks", "done"]
+        assert isinstance(rest[-1], Done)
         (turn,) = await stack.turns(digest)
-        assert turn["interaction_id"] == rest[-1].done.interaction_id
+        assert turn["interaction_id"] == rest[-1].interaction_id
         err = await rpc_error(stack.start())
         assert err.http_status == 503

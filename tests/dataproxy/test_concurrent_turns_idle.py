@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import grpc
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import redis.asyncio as aioredis
@@ -15,8 +14,8 @@ from services.dataproxy.control import CapacityPolicy, Control
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import ActiveEpisode, EpisodePolicy, SessionStore
-from services.dataproxy.turns import encode_turn
-from services.runtime.errors import Unavailable, from_rpc_error
+from services.gateway.relay import Chunks, Done
+from services.runtime.errors import RollgateError, Unavailable
 from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
 from tests.dataproxy.test_control import running_proxy, until
@@ -58,8 +57,7 @@ async def record(store: SessionStore, episode: ActiveEpisode, interaction_id: st
     return await store.record_turn(
         episode,
         interaction_id=interaction_id,
-        encode=lambda end: encode_turn(
-            turn_record(interaction_id),
+        encode=lambda end: turn_record(interaction_id).encode(
             weight_version=episode.weight_version,
             weight_version_end=end,
             now=time.time(),
@@ -161,9 +159,9 @@ async def test_a_long_turn_is_recorded_when_a_shorter_concurrent_one_ends_first(
         started = await proxy.start()
         member = f"{key_digest(started.api_key)}/{started.session_id}"
         long = proxy.chat(started.api_key, "a question long enough for a slow answer of many words")
-        assert (await long.read()).HasField("chunks")
+        assert isinstance(await long.read(), Chunks)
         short = await collect(proxy.chat(started.api_key, "hi"))
-        assert short[-1].HasField("done")
+        assert isinstance(short[-1], Done)
         short_done = time.monotonic()
 
         messages = await collect(long)
@@ -171,7 +169,7 @@ async def test_a_long_turn_is_recorded_when_a_shorter_concurrent_one_ends_first(
         # The construction: the long turn ran on well past the idle timeout after the short
         # one ended (before the fix the reaper ended the episode then: 503 episode_ended).
         assert time.monotonic() - short_done > idle_s + 0.2
-        assert messages[-1].HasField("done")
+        assert isinstance(messages[-1], Done)
 
         async def published() -> bool:
             return bool(await proxy.redis.xlen(proxy.keys.trajectories))
@@ -190,10 +188,10 @@ async def test_a_failed_turn_leaves_no_running_count(redis_url: str, key_prefix:
         started = await proxy.start()
         member = f"{key_digest(started.api_key)}/{started.session_id}"
 
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(RollgateError) as caught:
             await collect(proxy.chat(started.api_key, "/fail-500"))
 
-        assert from_rpc_error(caught.value, hop="dataproxy").http_status >= 500
+        assert caught.value.http_status >= 500
 
         async def released() -> bool:
             return (await proxy.stats()).in_flight == 0

@@ -8,18 +8,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from protos import dataproxy_pb2, trainer_pb2
 from services.dataproxy.control import PAUSED_MESSAGE
-from services.runtime.errors import Unavailable, from_rpc_error
+from services.gateway.relay import Chunks, Done
+from services.runtime.errors import RollgateError, Unavailable
 from services.runtime.keys import key_digest
 from tests.harness.inprocess import (
     ADMIN_KEY,
     RPC_TIMEOUT_S,
     DataproxyChain,
+    TurnCall,
     collect,
     running_dataproxy_chain,
 )
@@ -37,22 +38,9 @@ class Proxy(DataproxyChain):
         )
         return reply
 
-    def chat(self, api_key: str, text: str) -> Any:
-        """A streaming Chat call (not awaited)."""
-        body = (
-            b'{"model": "rollgate-mock", "messages": [{"role": "user", "content": "'
-            + text.encode()
-            + b'"}]}'
-        )
-        return self.dataproxy.Chat(
-            dataproxy_pb2.ChatRequest(
-                key_digest=key_digest(api_key),
-                worker_address=self.worker_address,
-                body_json=body,
-                request_id=f"req-{text}",
-            ),
-            timeout=RPC_TIMEOUT_S,
-        )
+    def chat(self, api_key: str, text: str) -> TurnCall:
+        """A streamed turn through the relay (not started until read)."""
+        return self.call(key_digest(api_key), text, request_id=f"req-{text}")
 
     async def stats(self) -> trainer_pb2.GetStatsResponse:
         reply: trainer_pb2.GetStatsResponse = await self.trainer.GetStats(
@@ -82,7 +70,7 @@ async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_re
     async with running_proxy(redis_url, key_prefix, token_interval_ms=40.0) as proxy:
         started = await proxy.start()
         running = proxy.chat(started.api_key, "long")
-        assert (await running.read()).HasField("chunks")  # the turn is generating
+        assert isinstance(await running.read(), Chunks)  # the turn is generating
         assert (await proxy.stats()).in_flight == 1
 
         pause = asyncio.ensure_future(
@@ -93,7 +81,7 @@ async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_re
         await until(lambda: _is_paused(proxy))
         assert not pause.done()  # the running turn holds it
         rest = await collect(running)
-        assert rest[-1].HasField("done")  # the running turn finished and was recorded
+        assert isinstance(rest[-1], Done)  # the running turn finished and was recorded
         paused = await pause
         assert paused.drained and paused.in_flight == 0
 
@@ -107,7 +95,7 @@ async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_re
             trainer_pb2.ResumeSubmissionRequest(), metadata=AUTH, timeout=RPC_TIMEOUT_S
         )
         async with asyncio.timeout(10):
-            assert (await waiting)[-1].HasField("done")
+            assert isinstance((await waiting)[-1], Done)
         assert (await proxy.stats()).paused is False
 
 
@@ -124,9 +112,9 @@ async def test_a_turn_paused_too_long_gets_503_submission_paused(
             trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
         )
         assert reply.drained
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(RollgateError) as caught:
             await collect(proxy.chat(started.api_key, "refused"))
-        err = from_rpc_error(caught.value, hop="dataproxy")
+        err = caught.value
         assert isinstance(err, Unavailable) and err.http_status == 503
         assert err.message == PAUSED_MESSAGE == "submission paused for weight update"
         assert err.retry_after_s
@@ -267,9 +255,9 @@ async def test_a_turn_that_outlives_its_episode_is_refused_and_leaves_no_lease(
         await proxy.dataproxy.EndSession(
             dataproxy_pb2.EndSessionRequest(key_digest=key_digest(started.api_key)), timeout=5
         )
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
+        with pytest.raises(RollgateError) as caught:
             await collect(running)
-        assert from_rpc_error(caught.value, hop="dataproxy").code == "episode_ended"
+        assert caught.value.code == "episode_ended"
         assert (await proxy.stats()).in_flight == 0
         reply = await proxy.trainer.PauseSubmission(
             trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
@@ -295,7 +283,7 @@ async def test_a_turn_longer_than_the_idle_timeout_is_recorded_not_reaped_mid_tu
         )
         # The construction: the turn outlived the idle timeout several reaper sweeps over.
         assert time.monotonic() - began > idle_s + 0.2
-        assert messages[-1].HasField("done")  # recorded, not 503 episode_ended
+        assert isinstance(messages[-1], Done)  # recorded, not 503 episode_ended
 
         # Once idle after the turn, the reaper publishes the episode with that turn in it.
         async def published() -> bool:

@@ -22,13 +22,13 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protos import common_pb2
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import SessionStore
 from services.dataproxy.turns import encode_turn
 from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
+from tests.dataproxy.turn_records import turn_record
 
 ADMIN_KEY = "admin-exactly-once-0123456789"
 # Shorter than production's 5 s so a held reply times out quickly.
@@ -136,7 +136,7 @@ def store_over(redis: aioredis.Redis, keys: RedisKeys) -> SessionStore:
 
 async def record_turn(store: SessionStore, api_key: str, interaction_id: str) -> None:
     episode = await store.active_episode(key_digest(api_key))
-    record = common_pb2.TurnRecord(
+    record = turn_record(
         interaction_id=interaction_id,
         upstream_model="mock",
         finish_reason="stop",
@@ -145,10 +145,14 @@ async def record_turn(store: SessionStore, api_key: str, interaction_id: str) ->
         output_logprobs=[-0.5, -0.25],
         exact_tokens=True,
         assistant_message_json=orjson.dumps({"role": "assistant", "content": "hi"}),
-        request_json=orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}),
         upstream_kind="vllm",
     )
-    data = encode_turn(record, weight_version=episode.weight_version, now=time.time())
+    data = encode_turn(
+        record,
+        request_json=orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+        weight_version=episode.weight_version,
+        now=time.time(),
+    )
     await store.append_turn(episode, interaction_id=interaction_id, record=data)
 
 

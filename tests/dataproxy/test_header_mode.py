@@ -15,7 +15,6 @@ from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import ActiveEpisode, EpisodePolicy, SessionStore
-from services.dataproxy.turns import encode_turn
 from services.runtime.errors import Conflict, InvalidRequest, TooManyRequests
 from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
@@ -50,8 +49,7 @@ async def record(store: SessionStore, episode: ActiveEpisode, interaction_id: st
     return await store.record_turn(
         episode,
         interaction_id=interaction_id,
-        encode=lambda end: encode_turn(
-            turn_record(interaction_id),
+        encode=lambda end: turn_record(interaction_id).encode(
             weight_version=episode.weight_version,
             weight_version_end=end,
             now=time.time(),

@@ -15,7 +15,7 @@ from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import EpisodePolicy, SessionStore, StartedSession
-from services.dataproxy.turns import encode_turn
+from services.dataproxy.turns import pack_float32, pack_int32
 from services.runtime.errors import Conflict, TooManyRequests, Unavailable
 from services.runtime.keys import key_digest, key_id_of
 from services.runtime.secret import Secret
@@ -296,12 +296,12 @@ async def chat_tokens(
 ) -> None:
     """Records one completed turn with these token ids on the key's active episode."""
     episode = await store.active_episode(key_digest(api_key))
-    record = turn_record(interaction_id)
-    del record.prompt_token_ids[:], record.output_token_ids[:], record.output_logprobs[:]
-    record.prompt_token_ids.extend(prompt)
-    record.output_token_ids.extend(output)
-    record.output_logprobs.extend([-0.5] * len(output))
-    data = encode_turn(record, weight_version=episode.weight_version, now=time.time())
+    turn = turn_record(interaction_id)
+    record = turn.record
+    record.prompt_token_ids = pack_int32(prompt)
+    record.output_token_ids = pack_int32(output)
+    record.output_logprobs = pack_float32([-0.5] * len(output))
+    data = turn.encode(weight_version=episode.weight_version, now=time.time())
     await store.append_turn(episode, interaction_id=interaction_id, record=data)
 
 

@@ -17,7 +17,12 @@ from rollgate.trajectory import decode_trajectory
 from services.dataproxy.turns import unpack_float32, unpack_int32
 from services.runtime.keys import key_digest
 from services.worker.upstream import RequestPolicy
-from tests.harness.inprocess import RPC_TIMEOUT_S, DataproxyChain, collect, running_dataproxy_chain
+from tests.harness.inprocess import (
+    RPC_TIMEOUT_S,
+    DataproxyChain,
+    chunk_payloads,
+    running_dataproxy_chain,
+)
 
 G = 3
 
@@ -32,9 +37,6 @@ class GroupStack(DataproxyChain):
             dataproxy_pb2.StartSessionRequest(task_id="group"), timeout=RPC_TIMEOUT_S
         )
         return key_digest(started.api_key)
-
-    def chat_request(self, digest: str, text: str, **body: Any) -> dataproxy_pb2.ChatRequest:
-        return self.make_chat_request(digest, text, request_id="req-group", **body)
 
 
 def group_stack(
@@ -71,16 +73,16 @@ async def test_the_client_gets_one_sample_and_the_turn_records_all_three(
     stack: GroupStack, stream: bool
 ) -> None:
     digest = await stack.start()
-    request = stack.chat_request(digest, "tell me something varied", stream=stream)
+    text = "tell me something varied"
 
     if stream:
-        messages = await collect(stack.dataproxy.Chat(request, timeout=RPC_TIMEOUT_S))
-        payloads = [orjson.loads(c) for m in messages[:-1] for c in m.chunks.chunks]
+        events = await stack.stream(digest, text, request_id="req-group")
+        payloads = [orjson.loads(c) for c in chunk_payloads(events)]
         assert all(c["choices"][0]["index"] == 0 for c in payloads if c.get("choices"))
         assert all(len(c["choices"]) <= 1 for c in payloads)
     else:
-        done = await stack.dataproxy.Complete(request, timeout=RPC_TIMEOUT_S)
-        assert [c["index"] for c in orjson.loads(done.body_json)["choices"]] == [0]
+        body, _ = await stack.complete(digest, text, request_id="req-group")
+        assert [c["index"] for c in body["choices"]] == [0]
 
     assert stack.mock.stats.last_body is not None
     assert stack.mock.stats.last_body["n"] == G
@@ -105,9 +107,7 @@ async def test_the_published_trajectory_carries_the_samples_with_the_turns_rewar
     stack: GroupStack,
 ) -> None:
     digest = await stack.start()
-    first = await stack.dataproxy.Complete(
-        stack.chat_request(digest, "first question"), timeout=RPC_TIMEOUT_S
-    )
+    _, first = await stack.complete(digest, "first question")
     await stack.dataproxy.SetReward(
         dataproxy_pb2.SetRewardRequest(
             key_digest=digest, reward=0.5, interaction_id=first.interaction_id
@@ -146,7 +146,7 @@ async def test_without_group_sampling_no_samples_are_recorded(
 ) -> None:
     async with group_stack(redis_url, key_prefix, n_samples=1) as stack:
         digest = await stack.start()
-        await stack.dataproxy.Complete(stack.chat_request(digest, "one"), timeout=RPC_TIMEOUT_S)
+        await stack.complete(digest, "one")
         (turn,) = await stack.turns(digest)
         assert "extra_samples" not in turn
         assert stack.mock.stats.last_body is not None

@@ -12,11 +12,10 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from protos import common_pb2
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import ActiveEpisode, KeyState, SessionStore
-from services.dataproxy.turns import encode_turn, unpack_float32, unpack_int32
+from services.dataproxy.turns import unpack_float32, unpack_int32
 from services.runtime.errors import (
     Conflict,
     InvalidRequest,
@@ -27,6 +26,8 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import key_digest, key_id_of, looks_like_session_key
 from services.runtime.secret import Secret
+from tests.dataproxy.turn_records import WithRequest
+from tests.dataproxy.turn_records import turn_record as packed_record
 
 ADMIN_KEY = "admin-test-key-0123456789"
 
@@ -47,8 +48,8 @@ def store(redis_client: aioredis.Redis, keys: RedisKeys) -> SessionStore:
     )
 
 
-def turn_record(interaction_id: str, text: str = "hello") -> common_pb2.TurnRecord:
-    return common_pb2.TurnRecord(
+def turn_record(interaction_id: str, text: str = "hello") -> WithRequest:
+    rec = packed_record(
         interaction_id=interaction_id,
         upstream_model="mock",
         finish_reason="stop",
@@ -62,15 +63,15 @@ def turn_record(interaction_id: str, text: str = "hello") -> common_pb2.TurnReco
         ttft_s=0.05,
         upstream_kind="vllm",
         started_at_unix_s=time.time(),
-        request_json=orjson.dumps({"messages": [{"role": "user", "content": text}]}),
     )
+    return WithRequest(rec, orjson.dumps({"messages": [{"role": "user", "content": text}]}))
 
 
 async def chat(store: SessionStore, api_key: str, interaction_id: str) -> ActiveEpisode:
     """Records one completed turn on the key's active episode, as the chat path does."""
     episode = await store.active_episode(key_digest(api_key))
-    data = encode_turn(
-        turn_record(interaction_id), weight_version=episode.weight_version, now=time.time()
+    data = turn_record(interaction_id).encode(
+        weight_version=episode.weight_version, now=time.time()
     )
     await store.append_turn(episode, interaction_id=interaction_id, record=data)
     return episode
@@ -322,7 +323,7 @@ async def test_turn_appended_after_its_episode_ended_is_rejected_and_absent_from
     started = await store.start(task_id="t", api_key="")
     running = await store.active_episode(key_digest(started.api_key))
     await store.start(task_id="t", api_key=started.api_key)
-    late = encode_turn(turn_record("chatcmpl-late"), weight_version=0, now=time.time())
+    late = turn_record("chatcmpl-late").encode(weight_version=0, now=time.time())
 
     with pytest.raises(Unavailable, match="episode ended while this turn") as caught:
         await store.append_turn(running, interaction_id="chatcmpl-late", record=late)
@@ -341,7 +342,7 @@ async def test_retried_append_of_the_same_interaction_records_it_once(
 ) -> None:
     started = await store.start(task_id="t", api_key="")
     episode = await chat(store, started.api_key, "chatcmpl-1")
-    data = encode_turn(turn_record("chatcmpl-1"), weight_version=0, now=time.time())
+    data = turn_record("chatcmpl-1").encode(weight_version=0, now=time.time())
 
     index = await store.append_turn(episode, interaction_id="chatcmpl-1", record=data)
 

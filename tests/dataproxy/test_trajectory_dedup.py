@@ -12,7 +12,6 @@ import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
 
-from protos import common_pb2
 from rollgate.tensors import to_tensors
 from rollgate.trajectory import (
     TrajectoryDecodeError,
@@ -21,8 +20,9 @@ from rollgate.trajectory import (
     trajectory_to_json,
 )
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
-from services.dataproxy.turns import decode_turn, encode_turn, history_entry
+from services.dataproxy.turns import decode_turn, history_entry
 from tests.dataproxy.large_prompt import prompt_ids, system_prompt, tools
+from tests.dataproxy.turn_records import WithRequest, turn_record
 
 INFO = EpisodeInfo(
     trajectory_id="traj-big",
@@ -39,13 +39,12 @@ PROMPT_BYTES = len(orjson.dumps(SYSTEM["content"]))
 SYSTEM_IDS = prompt_ids(SYSTEM["content"])  # ~12k ids, as a real tokenizer gives for 48 KB
 
 
-def record(n: int, messages: list[dict[str, Any]], prompt_ids: list[int]) -> common_pb2.TurnRecord:
-    return common_pb2.TurnRecord(
+def record(n: int, messages: list[dict[str, Any]], prompt_ids: list[int]) -> WithRequest:
+    rec = turn_record(
         interaction_id=f"c{n}",
         upstream_model="m",
         upstream_kind="vllm",
         finish_reason="stop",
-        request_json=orjson.dumps({"messages": messages, "tools": tools()}),
         assistant_message_json=orjson.dumps({"role": "assistant", "content": f"answer {n}"}),
         # Prompt ids that extend exactly turn by turn.
         prompt_token_ids=prompt_ids,
@@ -54,6 +53,7 @@ def record(n: int, messages: list[dict[str, Any]], prompt_ids: list[int]) -> com
         exact_tokens=True,
         started_at_unix_s=101.0 + n,
     )
+    return WithRequest(rec, orjson.dumps({"messages": messages, "tools": tools()}))
 
 
 def five_turns(
@@ -67,7 +67,7 @@ def five_turns(
     for n in range(5):
         messages = [*messages, {"role": "user", "content": f"question {n}"}]
         ids = [*ids, 50 + n]
-        turns.append(encode_turn(record(n, messages, ids), weight_version=1, now=0.0))
+        turns.append(record(n, messages, ids).encode(weight_version=1, now=0.0))
         sent.append(messages)
         if sent_ids is not None:
             sent_ids.append(ids)
@@ -121,8 +121,8 @@ def test_message_linking_works_through_the_tables_without_token_ids() -> None:
     for n in range(3):
         messages = [*messages, {"role": "user", "content": f"q{n}"}]
         rec = record(n, messages, [])
-        rec.exact_tokens = False
-        turns.append(encode_turn(rec, weight_version=0, now=0.0))
+        rec.record.exact_tokens = False
+        turns.append(rec.encode(weight_version=0, now=0.0))
         messages = [*messages, {"role": "assistant", "content": f"answer {n}"}]
 
     t = decode_trajectory(encode_trajectory(build_trajectory(INFO, turns, {})))
@@ -154,20 +154,18 @@ def test_a_reference_outside_its_table_is_refused() -> None:
 def test_a_turn_record_stores_its_request_compressed_and_reads_it_back() -> None:
     messages = [SYSTEM, {"role": "user", "content": "hi"}]
     rec = record(0, messages, [1, 2])
-    stored = msgpack.unpackb(encode_turn(rec, weight_version=0, now=0.0), raw=False)
+    stored = msgpack.unpackb(rec.encode(weight_version=0, now=0.0), raw=False)
 
     assert stored["request_codec"] == "zlib"
     assert len(stored["request_json"]) < len(rec.request_json) / 2
     assert zlib.decompress(stored["request_json"]) == rec.request_json
-    turn = decode_turn(encode_turn(rec, weight_version=0, now=0.0))
+    turn = decode_turn(rec.encode(weight_version=0, now=0.0))
     assert turn["request_json"] == rec.request_json and "request_codec" not in turn
     assert orjson.loads(history_entry(turn, None))["request"]["messages"] == messages
 
 
 def test_an_uncompressed_turn_record_from_before_still_reads_and_publishes() -> None:
-    stored = msgpack.unpackb(
-        encode_turn(record(0, [SYSTEM], [1]), weight_version=0, now=0.0), raw=False
-    )
+    stored = msgpack.unpackb(record(0, [SYSTEM], [1]).encode(weight_version=0, now=0.0), raw=False)
     stored["request_json"] = zlib.decompress(stored.pop("request_json"))
     del stored["request_codec"]
     old = msgpack.packb(stored, use_bin_type=True)
@@ -180,9 +178,7 @@ def test_an_uncompressed_turn_record_from_before_still_reads_and_publishes() -> 
 
 
 def test_an_unknown_request_codec_is_an_error_not_garbage() -> None:
-    stored = msgpack.unpackb(
-        encode_turn(record(0, [SYSTEM], [1]), weight_version=0, now=0.0), raw=False
-    )
+    stored = msgpack.unpackb(record(0, [SYSTEM], [1]).encode(weight_version=0, now=0.0), raw=False)
     stored["request_codec"] = "brotli"
 
     with pytest.raises(ValueError, match="brotli"):
@@ -191,13 +187,13 @@ def test_an_unknown_request_codec_is_an_error_not_garbage() -> None:
 
 def test_a_small_request_is_stored_as_is_without_paying_for_compression() -> None:
     request = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
-    record = common_pb2.TurnRecord(interaction_id="chatcmpl-small", request_json=request)
+    small = WithRequest(turn_record(interaction_id="chatcmpl-small"), request)
 
-    stored = msgpack.unpackb(encode_turn(record, weight_version=0, now=1.0), raw=False)
+    stored = msgpack.unpackb(small.encode(weight_version=0, now=1.0), raw=False)
 
     assert stored["request_json"] == request
     assert "request_codec" not in stored
-    assert decode_turn(encode_turn(record, weight_version=0, now=1.0))["request_json"] == request
+    assert decode_turn(small.encode(weight_version=0, now=1.0))["request_json"] == request
 
 
 # --- Prompt ids: a prefix shared with an earlier interaction, plus the interaction's own ids
@@ -270,8 +266,7 @@ def test_a_prefix_may_be_an_earlier_prompt_alone_and_chains_of_prefixes_resolve(
     q0 = [*SYSTEM_IDS, 50]
     sent_ids = [q0, [*q0, 1000, 2000, 51], [*q0, 7, 8]]
     turns = [
-        encode_turn(record(n, [SYSTEM], ids), weight_version=1, now=0.0)
-        for n, ids in enumerate(sent_ids)
+        record(n, [SYSTEM], ids).encode(weight_version=1, now=0.0) for n, ids in enumerate(sent_ids)
     ]
     built = build_trajectory(INFO, turns, {})
 
@@ -290,8 +285,7 @@ def test_prompts_that_diverge_early_keep_their_whole_ids() -> None:
     # A client that re-renders the top of its system prompt every turn (a timestamp first).
     sent_ids = [[900 + n, *SYSTEM_IDS] for n in range(3)]
     turns = [
-        encode_turn(record(n, [SYSTEM], ids), weight_version=1, now=0.0)
-        for n, ids in enumerate(sent_ids)
+        record(n, [SYSTEM], ids).encode(weight_version=1, now=0.0) for n, ids in enumerate(sent_ids)
     ]
     built = build_trajectory(INFO, turns, {})
 
@@ -307,8 +301,7 @@ def test_a_prefix_of_64_ids_is_shared_and_one_of_63_is_not() -> None:
     head = SYSTEM_IDS[:64]
     sent_ids = [[*head, 1], [*head, 2], [*head[:63], 3]]
     turns = [
-        encode_turn(record(n, [SYSTEM], ids), weight_version=1, now=0.0)
-        for n, ids in enumerate(sent_ids)
+        record(n, [SYSTEM], ids).encode(weight_version=1, now=0.0) for n, ids in enumerate(sent_ids)
     ]
     built = build_trajectory(INFO, turns, {})
 

@@ -10,38 +10,35 @@ import msgpack  # type: ignore[import-untyped]
 import orjson
 import pytest
 
-from protos import common_pb2
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory
 from services.dataproxy.turns import (
     PriorTurn,
     PriorTurns,
-    TurnEncoder,
     common_prefix,
     decode_turn,
     decode_turns,
-    encode_turn,
-    unpack_int32,
 )
 from tests.dataproxy.large_prompt import prompt_ids, system_prompt, tools
+from tests.dataproxy.turn_records import WithRequest, turn_record
 
 SYSTEM = {"role": "system", "content": system_prompt()}
 SYSTEM_IDS = prompt_ids(SYSTEM["content"])
 
 
-def record(n: int, messages: list[Any], ids: list[int]) -> common_pb2.TurnRecord:
-    return common_pb2.TurnRecord(
+def record(n: int, messages: list[Any], ids: list[int]) -> WithRequest:
+    rec = turn_record(
         interaction_id=f"c{n}",
         finish_reason="stop",
-        request_json=orjson.dumps({"tools": tools(), "messages": messages}),
         assistant_message_json=orjson.dumps({"role": "assistant", "content": f"answer {n}"}),
         prompt_token_ids=ids,
         output_token_ids=[9000 + n, 9100 + n],
         output_logprobs=[-0.5, -0.25],
         exact_tokens=True,
     )
+    return WithRequest(rec, orjson.dumps({"tools": tools(), "messages": messages}))
 
 
-def conversation(turns: int) -> list[common_pb2.TurnRecord]:
+def conversation(turns: int) -> list[WithRequest]:
     """Turns of one agent: each resends everything so far plus one user message."""
     messages: list[Any] = [SYSTEM]
     ids = list(SYSTEM_IDS)
@@ -56,12 +53,12 @@ def conversation(turns: int) -> list[common_pb2.TurnRecord]:
     return out
 
 
-def recorded(records: list[common_pb2.TurnRecord]) -> list[bytes]:
+def recorded(records: list[WithRequest]) -> list[bytes]:
     """The stored records, as a dataproxy that remembers each episode's last turn writes them."""
     memory = PriorTurns()
     stored = []
     for index, rec in enumerate(records):
-        encoder = TurnEncoder(rec, prior=memory.get("episode"))
+        encoder = rec.encoder(memory.get("episode"))
         stored.append(encoder.encode(weight_version=0, now=0.0))
         memory.put("episode", encoder.recorded_at(index))
     return stored
@@ -72,7 +69,7 @@ def test_later_turns_store_only_what_they_add_and_read_back_exactly() -> None:
     stored = recorded(records)
 
     # The first turn of an episode is stored whole (its request compressed).
-    assert len(stored[0]) > 4 * len(records[0].prompt_token_ids) + 10_000
+    assert len(stored[0]) > len(records[0].record.prompt_token_ids) + 10_000
     added = [len(records[n].request_json) - len(records[n - 1].request_json) for n in range(1, 6)]
     for n in range(1, 6):
         # Its new messages, about ten new ids, its output and the fixed fields: under 2 KB.
@@ -82,7 +79,7 @@ def test_later_turns_store_only_what_they_add_and_read_back_exactly() -> None:
     decoded = decode_turns(stored)
     for rec, turn in zip(records, decoded, strict=True):
         assert turn["request_json"] == rec.request_json
-        assert unpack_int32(turn["prompt_token_ids"]) == list(rec.prompt_token_ids)
+        assert turn["prompt_token_ids"] == rec.record.prompt_token_ids
         assert "request_prefix" not in turn and "prompt_prefix_ids" not in turn
 
 
@@ -98,7 +95,7 @@ def test_a_trajectory_built_from_shared_records_equals_one_built_from_whole_ones
         ended_at=2.0,
         end_reason="end_session",
     )
-    whole = [encode_turn(rec, weight_version=0, now=0.0) for rec in records]
+    whole = [rec.encode(weight_version=0, now=0.0) for rec in records]
 
     assert build_trajectory(info, recorded(records), {"c3": 1.0}) == build_trajectory(
         info, whole, {"c3": 1.0}
@@ -107,12 +104,14 @@ def test_a_trajectory_built_from_shared_records_equals_one_built_from_whole_ones
 
 def test_a_turn_that_shares_nothing_is_stored_whole() -> None:
     first, second = conversation(2)
-    other = record(5, [], [1, 2, 3])
-    other.request_json = orjson.dumps({"messages": [{"role": "user", "content": "another"}]})
-    prior = TurnEncoder(first).recorded_at(0)
+    other = WithRequest(
+        record(5, [], [1, 2, 3]).record,
+        orjson.dumps({"messages": [{"role": "user", "content": "another"}]}),
+    )
+    prior = first.encoder().recorded_at(0)
 
-    raw = msgpack.unpackb(TurnEncoder(other, prior=prior).encode(weight_version=0, now=0.0))
-    shared = msgpack.unpackb(TurnEncoder(second, prior=prior).encode(weight_version=0, now=0.0))
+    raw = msgpack.unpackb(other.encoder(prior).encode(weight_version=0, now=0.0))
+    shared = msgpack.unpackb(second.encoder(prior).encode(weight_version=0, now=0.0))
 
     assert "request_prefix" not in raw and "prompt_prefix_ids" not in raw
     assert "request_prefix" in shared and "prompt_prefix_ids" in shared

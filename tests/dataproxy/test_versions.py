@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import msgpack  # type: ignore[import-untyped]
 import orjson
 import redis.asyncio as aioredis
 
-from protos import common_pb2, dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2
+from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2
 from services.dataproxy.control import WeightVersionView
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.trajectory import EpisodeInfo, TrajectoryStream, build_trajectory
@@ -27,11 +26,15 @@ from services.dataproxy.turns import (
     per_token_versions,
     unpack_int32,
 )
+from services.gateway.relay import Chunks, Done, Event
 from services.runtime.keys import key_digest
+from tests.dataproxy.turn_records import turn_record
 from tests.harness.inprocess import (
     ADMIN_KEY,
     RPC_TIMEOUT_S,
     DataproxyChain,
+    chunk_payloads,
+    collect,
     eventually,
     running_dataproxy_chain,
 )
@@ -56,9 +59,6 @@ class Replicas(DataproxyChain):
             dataproxy_pb2.StartSessionRequest(task_id="versions"), timeout=RPC_TIMEOUT_S
         )
         return key_digest(started.api_key)
-
-    def request(self, digest: str, **body: Any) -> dataproxy_pb2.ChatRequest:
-        return self.make_chat_request(digest, LONG_TEXT, request_id="req-versions", **body)
 
     async def set_version(self, version: int) -> None:
         await self.trainer.SetWeightVersion(
@@ -91,10 +91,10 @@ def replicas(
     )
 
 
-def tokens_in(message: dataproxy_pb2.ChatResponse) -> int:
-    """Sampled tokens the client saw in one chunk message (one logprob entry per token)."""
+def tokens_in(event: Event) -> int:
+    """Sampled tokens the client saw in one event (one logprob entry per token)."""
     count = 0
-    for raw in message.chunks.chunks:
+    for raw in chunk_payloads([event]):
         for choice in orjson.loads(raw).get("choices") or []:
             logprobs = choice.get("logprobs") or {}
             count += len(logprobs.get("content") or [])
@@ -107,21 +107,17 @@ async def test_a_version_change_mid_stream_stamps_early_tokens_old_and_later_tok
     async with replicas(redis_url, key_prefix) as stack:
         await stack.set_version(3)
         digest = await stack.start()
-        call = stack.chat.Chat(
-            stack.request(digest, stream=True, logprobs=True), timeout=RPC_TIMEOUT_S
-        )
+        call = stack.call(digest, LONG_TEXT, logprobs=True, request_id="req-versions")
         seen_before = 0
         while seen_before < 3:
             message = await call.read()
-            assert message.WhichOneof("kind") == "chunks"
+            assert isinstance(message, Chunks)
             seen_before += tokens_in(message)
         # Not paused first: the version moves under the running turn, through the other replica.
         await stack.set_version(4)
-        rest = []
-        while (message := await call.read()) is not grpc.aio.EOF:
-            rest.append(message)
+        rest = await collect(call)
 
-        assert rest[-1].WhichOneof("kind") == "done"
+        assert isinstance(rest[-1], Done)
         (turn,) = await stack.turns(digest)
         output_ids = unpack_int32(turn["output_token_ids"])
         versions = unpack_int32(turn["output_versions"])
@@ -149,9 +145,7 @@ async def test_a_streamed_turn_without_a_version_change_records_one_version_thro
     async with replicas(redis_url, key_prefix) as stack:
         await stack.set_version(5)
         digest = await stack.start()
-        call = stack.chat.Chat(stack.request(digest, stream=True), timeout=RPC_TIMEOUT_S)
-        while await call.read() is not grpc.aio.EOF:
-            pass
+        await stack.stream(digest, LONG_TEXT, request_id="req-versions")
         (turn,) = await stack.turns(digest)
         trajectory = await stack.published(digest)
 
@@ -171,7 +165,7 @@ async def test_a_non_streaming_turn_keeps_the_admission_version_and_records_the_
         await stack.set_version(1)
         digest = await stack.start()
         running = asyncio.ensure_future(
-            stack.chat.Complete(stack.request(digest), timeout=RPC_TIMEOUT_S)
+            stack.complete(digest, LONG_TEXT, request_id="req-versions")
         )
         # Admitted (its in-flight lease exists) while the mock still holds the answer back.
         deadline = time.monotonic() + 5.0
@@ -227,7 +221,7 @@ def test_chunk_counts_that_do_not_add_up_fall_back_to_the_admission_version() ->
     assert per_token_versions([(2, 3), (1, 4)], 3) == [3, 3, 4]
     assert per_token_versions([(2, 3), (1, 4)], 4) is None
     assert per_token_versions([], 3) is None
-    record = common_pb2.TurnRecord(
+    record = turn_record(
         interaction_id="chatcmpl-1",
         output_token_ids=[11, 12, 13],
         output_logprobs=[-0.1, -0.2, -0.3],
@@ -235,6 +229,7 @@ def test_chunk_counts_that_do_not_add_up_fall_back_to_the_admission_version() ->
     )
     raw = encode_turn(
         record,
+        request_json=b'{"messages":[]}',
         weight_version=3,
         weight_version_end=4,
         now=time.time(),

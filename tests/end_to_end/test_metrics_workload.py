@@ -134,20 +134,14 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
     handled = "rollgate_grpc_server_handled_total"
     dp = "rollgate.v1.DataProxy"
     assert total(dataproxy, handled, grpc_service=dp, grpc_method="StartSession") == SESSIONS
-    chat_codes = {
-        labels["grpc_code"]: v
-        for labels, v in pages["dataproxy"][handled]
-        if labels["grpc_method"] == "Chat"
-    }
-    # Every streamed turn ended well. The gateway stops a Chat call once it has read ChatDone
-    # (services/gateway/chat.py), which can reach the dataproxy before its handler returns:
-    # that RPC then ends CANCELLED, after the turn was recorded and answered.
-    assert set(chat_codes) <= {"OK", "CANCELLED"}, chat_codes
-    assert sum(chat_codes.values()) == done["streamed"], chat_codes
-    assert (
-        total(dataproxy, handled, grpc_service=dp, grpc_method="Complete", grpc_code="OK")
-        == done["unary"]
-    )
+    # Each turn is one begin and one record on the turn ledger, counted like RPCs.
+    for op in ("begin", "record"):
+        codes = {
+            labels["grpc_code"]: v
+            for labels, v in pages["dataproxy"][handled]
+            if labels["grpc_method"] == f"Ledger.{op}"
+        }
+        assert codes.get("OK") == turns, (op, codes)
     # The unknown key is refused by the dataproxy: counted by its code, and in the error list.
     assert total(dataproxy, handled, grpc_service=dp, grpc_code="UNAUTHENTICATED") == 2
     trainer = "rollgate.v1.Trainer"

@@ -189,7 +189,7 @@ async def test_live_page_and_viewer_in_headless_chromium(
         recent = await page.evaluate("document.querySelectorAll('#recent tbody tr').length")
         assert recent == 3
         errors = await _text(page, "#errors")
-        assert "UNAUTHENTICATED" in errors and "Complete" in errors
+        assert "UNAUTHENTICATED" in errors and "Ledger.begin" in errors
         # One dot per published trajectory on the rewards chart.
         assert await page.evaluate("document.querySelectorAll('#chart-rewards circle').length") == 3
         # It keeps updating by itself.

@@ -290,3 +290,31 @@ async def test_openclaw_rl_body_keys_are_stripped_before_the_upstream(
             assert resp.status == 200
         (trajectory,) = await trajectories(c)
         assert [i["turn_type"] for i in trajectory["interactions"]] == ["side"]
+
+
+async def test_a_responses_call_carries_the_session_headers_like_chat(
+    chain: ChainFactory,
+) -> None:
+    async with chain() as c:
+        key = (await issue(c))["api_key"]
+        sid = "agent:responses:1"
+        for turn_type, done in (("main", False), ("side", True)):
+            headers = {"X-Session-Id": sid, "X-Turn-Type": turn_type}
+            if done:
+                headers["X-Session-Done"] = "1"
+            async with c.http.post(
+                c.url + "/v1/responses",
+                json={
+                    "model": MODEL,
+                    "input": f"a {turn_type} turn",
+                    "stream": turn_type == "main",
+                },
+                headers={"Authorization": f"Bearer {key}", **headers},
+            ) as resp:
+                assert resp.status == 200, await resp.read()
+                await resp.read()
+
+        (trajectory,) = await trajectories(c)
+        assert trajectory["session_id"] == sid and trajectory["end_reason"] == "session_done"
+        assert [i["turn_type"] for i in trajectory["interactions"]] == ["main", "side"]
+        assert all(i["interaction_id"].startswith("resp_") for i in trajectory["interactions"])

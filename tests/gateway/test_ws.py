@@ -190,6 +190,8 @@ async def test_the_cli_agent_sequence_gets_accepted_then_ok_and_is_recorded(
 async def test_the_tui_sequence_streams_chat_events_and_keeps_history(
     stack: Stack, ws_url: str
 ) -> None:
+    # Tokens a few ms apart arrive in separate batches: the run streams several deltas.
+    stack.mock.token_interval_s = 0.005
     key = (await _start(stack))["api_key"]
     ws = await stack.http.ws_connect(ws_url)
     client = Client(ws)

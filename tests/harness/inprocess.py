@@ -10,16 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
-import grpc
 import orjson
 import redis.asyncio as aioredis
 
-from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2_grpc
+from protos import dataproxy_pb2_grpc, trainer_pb2_grpc
 from rollgate.mock_llm import MockLLM
 from services.dataproxy.__main__ import serving as dataproxy_serving
 from services.dataproxy.redis_keys import RedisKeys
@@ -27,9 +26,13 @@ from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
 from services.dataproxy.turns import decode_turns
 from services.gateway.app import GatewayServer
+from services.gateway.header_mode import TurnTags
+from services.gateway.ledger import LedgerClient
+from services.gateway.relay import Chunks, Done, Event, TurnRelay, TurnSpec, split_body
+from services.gateway.routing import WorkerChoice
 from services.router.__main__ import serving as router_serving
 from services.router.settings import RouterSettings
-from services.runtime.grpc_client import open_channel
+from services.runtime.grpc_client import ChannelPool, open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.keys import key_id_of
 from services.runtime.secret import Secret
@@ -78,23 +81,55 @@ class DataproxyChain:
     mock: MockLLM
     redis: aioredis.Redis
     keys: RedisKeys
+    # The gateway's relay (ledger stream to the first replica, Generate to the worker).
+    relay: TurnRelay
+    ledger: LedgerClient
 
     @property
     def dataproxy_server(self) -> GrpcServer:
         """The first replica's server."""
         return self.dataproxy_servers[0]
 
-    def make_chat_request(
-        self, digest: str, text: str, *, request_id: str, **body: Any
-    ) -> dataproxy_pb2.ChatRequest:
-        """A ChatRequest to the worker: one user message `text` to the mock model, plus `body`."""
+    def spec(
+        self,
+        digest: str,
+        text: str,
+        *,
+        request_id: str = "req-1",
+        interaction_id: str = "",
+        tags: TurnTags | None = None,
+        timeout_s: float = RPC_TIMEOUT_S,
+        **body: Any,
+    ) -> TurnSpec:
+        """A turn of one user message `text` to the mock model (plus `body`), as the gateway
+        hands it to its relay."""
         payload = {"model": MOCK_MODEL, "messages": [{"role": "user", "content": text}]}
-        return dataproxy_pb2.ChatRequest(
-            key_digest=digest,
-            worker_address=self.worker_address,
-            body_json=orjson.dumps(payload | body),
+        request_json, params_json = split_body(payload | body)
+        return TurnSpec(
+            digest=digest,
+            model=MOCK_MODEL,
+            request_json=request_json,
+            params_json=params_json,
             request_id=request_id,
+            deadline=time.monotonic() + timeout_s,
+            interaction_id=interaction_id,
+            tags=tags or TurnTags(),
         )
+
+    async def complete(self, digest: str, text: str, **spec: Any) -> tuple[dict[str, Any], Done]:
+        """One non-streaming turn through the relay: the client's body and the recorded end."""
+        body, done = await self.relay.complete(self.spec(digest, text, **spec))
+        return orjson.loads(body), done
+
+    def call(self, digest: str, text: str, **spec: Any) -> TurnCall:
+        """A streamed turn through the relay, not started until read (like a gRPC call)."""
+        return TurnCall(self.relay.stream(self.spec(digest, text, stream=True, **spec)))
+
+    async def stream(self, digest: str, text: str, **spec: Any) -> list[Event]:
+        """Every event of one streamed turn through the relay (chunks, then Done)."""
+        events = self.relay.stream(self.spec(digest, text, stream=True, **spec))
+        async with contextlib.aclosing(events):
+            return [event async for event in events]
 
     async def turns(self, digest: str) -> list[dict[str, Any]]:
         """The recorded turn records of the key's current episode."""
@@ -138,7 +173,16 @@ async def running_dataproxy_chain(
             channels.append(channel)
         redis = aioredis.Redis.from_url(redis_url)
         stack.push_async_callback(redis.aclose)
+        stub: Any = dataproxy_pb2_grpc.DataProxyStub(channels[0])
+        ledger = LedgerClient(stub)
+        stack.push_async_callback(ledger.close)
+        workers = await stack.enter_async_context(ChannelPool())
+        relay = TurnRelay(
+            routes=FixedWorker(worker.address), ledger=ledger, workers=workers, rpc_timeout_s=10
+        )
         yield chain_type(
+            relay=relay,
+            ledger=ledger,
             dataproxy=dataproxy_pb2_grpc.DataProxyStub(channels[0]),
             trainer=trainer_pb2_grpc.TrainerStub(channels[-1]),
             dataproxy_servers=tuple(servers),
@@ -149,12 +193,48 @@ async def running_dataproxy_chain(
         )
 
 
-async def collect(call: Any) -> list[dataproxy_pb2.ChatResponse]:
-    """Every message of a streaming call (read with `read`, so a test may read some first)."""
-    messages = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        messages.append(message)
-    return messages
+class TurnCall:
+    """A streamed turn through the relay, read event by event."""
+
+    def __init__(self, events: AsyncGenerator[Event, None]) -> None:
+        self.events = events
+
+    async def read(self) -> Event:
+        """The next event (the turn's first read runs its admission and opens the worker)."""
+        return await anext(self.events)
+
+
+async def collect(call: TurnCall) -> list[Event]:
+    """Every remaining event of a streamed turn (a test may read some first)."""
+    async with contextlib.aclosing(call.events):
+        return [event async for event in call.events]
+
+
+class FixedWorker:
+    """The router's role in a dataproxy chain: every turn goes to its one worker."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    async def choose(
+        self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
+    ) -> WorkerChoice:
+        """The chain's worker."""
+        return WorkerChoice(worker_id="worker-under-test", address=self.address)
+
+    def forget(self, route_key: str, model: str) -> None:
+        """Nothing to forget."""
+
+
+def chunk_payloads(events: list[Event]) -> list[bytes]:
+    """Every chat chunk of a streamed turn's events, in order (the end's tail included)."""
+    payloads: list[bytes] = []
+    for event in events:
+        if isinstance(event, Chunks):
+            payloads += event.payloads
+        elif isinstance(event, Done):
+            payloads += event.tail
+    return payloads
 
 
 async def eventually(check: Callable[[], bool], *, timeout_s: float = 5.0) -> None:

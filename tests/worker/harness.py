@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -91,3 +93,25 @@ async def mock_and_worker(
         running_worker(mock.base_url, kind=kind, api_key=worker_key, timeout_s=timeout_s) as worker,
     ):
         yield mock, worker
+
+
+class Unpacked:
+    """A TurnRecord (or TurnSample) whose packed arrays read as lists (ids, logprobs)."""
+
+    def __init__(self, message: Any) -> None:
+        self._message = message
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._message, name)
+        if name in ("prompt_token_ids", "output_token_ids"):
+            return array("i", value).tolist()
+        if name == "output_logprobs":
+            return array("f", value).tolist()
+        if name == "extra_samples":
+            return [Unpacked(s) for s in value]
+        return value
+
+
+def unpacked(message: Any) -> Any:
+    """`message` with its packed int32 / float32 arrays as lists."""
+    return Unpacked(message)

@@ -21,6 +21,7 @@ from services.worker.turn import (
 from services.worker.upstream import (
     SseParser,
     build_upstream_request,
+    client_request,
     error_for_status,
     parse_client_body,
 )
@@ -131,7 +132,7 @@ def run(kind: str, chunks: list[dict[str, Any]]) -> Any:
     acc = TurnAccumulator()
     for c in chunks:
         adapter.read_chunk(orjson.loads(orjson.dumps(c)), acc)
-    return acc.result(kind=adapter.kind, request_json=b'{"messages":[]}', timing=TIMING)
+    return acc.result(kind=adapter.kind, timing=TIMING)
 
 
 def test_vllm_stream_gives_exact_ids_and_logprobs_including_multi_token_and_empty_tokens() -> None:
@@ -235,7 +236,7 @@ def test_non_streaming_vllm_completion() -> None:
     adapter = adapter_for("vllm")
     acc = TurnAccumulator()
     adapter.read_completion(body, acc)
-    record = acc.result(kind="vllm", request_json=b"{}", timing=TIMING)
+    record = acc.result(kind="vllm", timing=TIMING)
     assert record.output_token_ids == [4, 5]
     assert record.prompt_token_ids == [1, 2]
     assert record.output_logprobs == [-0.5, -0.6]
@@ -312,8 +313,10 @@ def test_sse_parser_handles_split_reads_crlf_comments_and_several_events_per_rea
 
 
 def test_upstream_request_strips_the_denylist_and_forces_logprobs() -> None:
-    client = parse_client_body(
-        orjson.dumps(
+    client = client_request(
+        request_json=b"",
+        params_json=b"",
+        body_json=orjson.dumps(
             {
                 "model": "m",
                 "messages": [{"role": "user", "content": "hi"}],
@@ -328,7 +331,7 @@ def test_upstream_request_strips_the_denylist_and_forces_logprobs() -> None:
                 "top_logprobs": 3,
                 "temperature": 0.2,
             }
-        )
+        ),
     )
     request = build_upstream_request(client, stream=True, prepare=adapter_for("vllm").prepare)
     sent = orjson.loads(request.body)
@@ -342,27 +345,46 @@ def test_upstream_request_strips_the_denylist_and_forces_logprobs() -> None:
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
-    assert orjson.loads(request.request_json) == {
-        "messages": [{"role": "user", "content": "hi"}],
-        "tools": [{"t": 1}],
-    }
+    # Tools first: the next turn's request extends this one's bytes.
+    assert request.request_json == orjson.dumps(
+        {"tools": [{"t": 1}], "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert request.ask == NOTHING
 
 
+def test_what_the_gateway_parsed_is_forwarded_without_parsing_the_messages() -> None:
+    request_json = b'{"tools":[{"t":1}],"messages":[{"role":"user","content":"hi"}]}'
+    client = client_request(
+        body_json=b"",
+        request_json=request_json,
+        params_json=orjson.dumps({"model": "m", "messages": ["ignored"], "api_key": "sk"}),
+    )
+    request = build_upstream_request(client, stream=False, prepare=adapter_for("vllm").prepare)
+    assert request.body.startswith(request_json[:-1] + b",")
+    assert orjson.loads(request.body) == {
+        "tools": [{"t": 1}],
+        "messages": [{"role": "user", "content": "hi"}],
+        "model": "m",
+        "logprobs": True,
+        "stream": False,
+        "return_token_ids": True,
+    }
+    assert request.request_json == request_json
+    assert request.conversation() == ([{"role": "user", "content": "hi"}], [{"t": 1}])
+
+
 def test_upstream_request_keeps_top_logprobs_when_the_client_asked_for_logprobs() -> None:
-    client = parse_client_body(
-        orjson.dumps(
-            {
-                "messages": [],
-                "logprobs": True,
-                "top_logprobs": 3,
-                "stream_options": {"include_usage": True},
-            }
-        )
+    client = client_request(
+        request_json=b'{"messages":[]}',
+        body_json=b"",
+        params_json=orjson.dumps(
+            {"logprobs": True, "top_logprobs": 3, "stream_options": {"include_usage": True}}
+        ),
     )
     request = build_upstream_request(client, stream=False, prepare=adapter_for("openai").prepare)
     sent = orjson.loads(request.body)
     assert sent == {"messages": [], "logprobs": True, "top_logprobs": 3, "stream": False}
+    assert list(orjson.loads(request.body)) == ["messages", "logprobs", "top_logprobs", "stream"]
     assert request.ask == ClientAsk(logprobs=True, token_ids=False, usage=True)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from protos import worker_pb2
-from tests.worker.harness import mock_and_worker
+from tests.worker.harness import mock_and_worker, unpacked
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(12))
 
@@ -25,8 +25,8 @@ async def token_counts(stub: Any, payload: bytes) -> tuple[list[int], Any]:
     async for message in stub.Generate(worker_pb2.GenerateRequest(body_json=payload), timeout=10):
         if message.HasField("chunks"):
             counts.append(message.chunks.output_tokens)
-        else:
-            record = message.record
+        if message.HasField("record"):
+            record = unpacked(message.record)
     return counts, record
 
 

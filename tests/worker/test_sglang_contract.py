@@ -191,13 +191,13 @@ def read_stream(kind: str, chunks: list[dict[str, Any]], **options: Any) -> Any:
     acc = TurnAccumulator()
     for c in chunks:
         adapter.read_chunk(orjson.loads(orjson.dumps(c)), acc)
-    return acc.result(kind=adapter.kind, request_json=b"{}", timing=TIMING)
+    return acc.result(kind=adapter.kind, timing=TIMING)
 
 
 def read_completion(adapter: Any, body: dict[str, Any]) -> Any:
     acc = TurnAccumulator()
     adapter.read_completion(orjson.loads(orjson.dumps(body)), acc)
-    return acc.result(kind=adapter.kind, request_json=b"{}", timing=TIMING)
+    return acc.result(kind=adapter.kind, timing=TIMING)
 
 
 def test_sglang_chat_records_every_sampled_logprob_reasoning_markup_included() -> None:
@@ -394,7 +394,7 @@ def test_generate_stream_gives_the_same_record_cumulative_or_incremental(
         for chunk in translator.events(orjson.loads(orjson.dumps(event))):
             generate_adapter.read_chunk(chunk, acc)
             client.append(chunk)
-    record = acc.result(kind="sglang", request_json=b"{}", timing=TIMING)
+    record = acc.result(kind="sglang", timing=TIMING)
     assert record.prompt_token_ids == PROMPT_IDS
     assert record.output_token_ids == [t[1] for t in TRIPLES]
     assert record.output_logprobs == [t[0] for t in TRIPLES]

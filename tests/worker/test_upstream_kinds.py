@@ -18,7 +18,7 @@ from services.runtime.errors import UpstreamError, from_rpc_error
 from services.worker.chat_template import render_chatml
 from services.worker.tokenizer import LocalTokenizer
 from services.worker.upstream import RequestPolicy
-from tests.worker.harness import running_worker
+from tests.worker.harness import running_worker, unpacked
 from tests.worker.test_worker_grpc import generate
 from tests.worker.tokenizer_file import build_tokenizer, decode_fn
 
@@ -85,11 +85,15 @@ async def test_sglang_generate_path_non_streaming_splits_reasoning_and_tool_call
         "query": "/think /tool weather"
     }
     assert client["choices"][0]["logprobs"] is None
-    recorded = orjson.loads(reply.record.assistant_message_json)
+    recorded = orjson.loads(unpacked(reply.record).assistant_message_json)
     assert recorded["tool_calls"][0]["function"]["name"] == "search"
     # The exact ids cover the whole raw output, reasoning and tool markup included.
-    assert reply.record.exact_tokens
-    assert len(reply.record.output_token_ids) == len(reply.record.output_logprobs) > 15
+    assert unpacked(reply.record).exact_tokens
+    assert (
+        len(unpacked(reply.record).output_token_ids)
+        == len(unpacked(reply.record).output_logprobs)
+        > 15
+    )
 
 
 async def test_sglang_generate_path_streams_reasoning_then_tool_call(tokenizer_path: Path) -> None:
@@ -173,7 +177,7 @@ async def test_a_length_mismatch_is_flagged_and_counted_never_padded(tokenizer_p
         )
         counted = worker.runner.length_mismatches
     # The tiny tokenizer splits unseen words into many pieces: more ids than sampled tokens.
-    for record in (first, reply.record):
+    for record in (first, unpacked(reply.record)):
         assert record.length_mismatch
         assert len(record.output_token_ids) > len(record.output_logprobs)
     assert counted == 2
@@ -222,7 +226,7 @@ async def test_group_sampling_gives_the_client_one_choice_and_records_all(stream
                 worker_pb2.GenerateRequest(body_json=body()), timeout=10
             )
             assert len(orjson.loads(reply.body_json)["choices"]) == 1
-            record = reply.record
+            record = unpacked(reply.record)
         assert mock.stats.last_body is not None and mock.stats.last_body["n"] == 3
     assert len(record.extra_samples) == 2
     samples = [record, *record.extra_samples]

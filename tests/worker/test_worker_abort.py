@@ -10,7 +10,7 @@ import grpc
 import orjson
 
 from protos import worker_pb2
-from tests.worker.harness import mock_and_worker
+from tests.worker.harness import mock_and_worker, unpacked
 from tests.worker.test_worker_grpc import LONG_TEXT, body
 
 DEADLINE_S = 10.0
@@ -37,8 +37,8 @@ async def test_abort_ends_the_stream_with_an_abort_chunk_and_the_partial_record(
 
         assert answer.found is True
         assert await call.code() == grpc.StatusCode.OK
-        record = rest[-1].record
-        chunks = [orjson.loads(c) for m in [first, *rest[:-1]] for c in m.chunks.chunks]
+        record = unpacked(rest[-1].record)
+        chunks = [orjson.loads(c) for m in [first, *rest] for c in m.chunks.chunks]
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
         assert record.finish_reason == "abort"
         assert 0 < len(record.output_token_ids) < 200

@@ -1,0 +1,212 @@
+"""The ledger streams of one dataproxy process: many turns' begin and record over one stream.
+
+A gateway keeps one `DataProxy.Ledger` stream open per dataproxy replica and sends every turn's
+`BeginTurn`, `RecordTurn` and `ReleaseTurn` over it, each with an id; answers come back with
+the id, in any order (a begin waiting while submission is paused holds up nothing else). A
+message on an open stream costs a fraction of a unary RPC (docs/internals.md, *The turn
+ledger*). The weight version is pushed on every stream when it moves (id 0), so the gateway
+stamps each streamed batch's tokens with the version current as it passes.
+
+Turns admitted through a stream and not yet recorded or released are remembered; when the
+stream ends (the gateway went away) their leases are released. Shutdown (`close`) refuses new
+begins, waits for the admitted turns to be recorded or released (they finish on the workers
+and come back over the same streams), then ends every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from protos import dataproxy_pb2
+from services.dataproxy.control import WeightVersionView
+from services.dataproxy.turn_ledger import TurnEnd, TurnLedger, decode_ticket
+from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
+from services.runtime.grpc_server import as_rollgate_error
+from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
+
+log = get_logger(__name__)
+
+METHOD = "/rollgate.v1.DataProxy/Ledger"
+# An op without a timeout gets this one (every op has a deadline).
+DEFAULT_OP_TIMEOUT_S = 30.0
+CLOSING = "this dataproxy is shutting down; the turn was not started, retry"
+
+
+class _Stream:
+    """One open ledger stream: its answer queue and the turns admitted through it."""
+
+    def __init__(self) -> None:
+        self.answers: asyncio.Queue[dataproxy_pb2.LedgerResponse | None] = asyncio.Queue()
+        # lease token → ticket of turns admitted here, neither recorded nor released yet.
+        self.admitted: dict[str, bytes] = {}
+        self.ops: set[asyncio.Task[None]] = set()
+
+
+# Called with (op, gRPC status code name, seconds, error message) as each op ends: the
+# process's RPC metrics count ledger ops like RPCs (method `Ledger.<op>`). Must not block.
+OpHook = Callable[[str, str, float, str], None]
+
+
+class LedgerStreams:
+    """Serves the ledger streams of this process over one TurnLedger."""
+
+    def __init__(
+        self, *, ledger: TurnLedger, versions: WeightVersionView, on_op: OpHook | None = None
+    ) -> None:
+        self._ledger = ledger
+        self._versions = versions
+        self._on_op = on_op
+        self._streams: set[_Stream] = set()
+        self._closing = False
+        self._drained = asyncio.Event()
+
+    @property
+    def unfinished(self) -> int:
+        """Turns admitted through an open stream, neither recorded nor released."""
+        return sum(len(s.admitted) for s in self._streams)
+
+    async def serve(
+        self, requests: AsyncIterator[dataproxy_pb2.LedgerRequest]
+    ) -> AsyncIterator[dataproxy_pb2.LedgerResponse]:
+        """One stream's answers, until the gateway closes its side (and what it asked is
+        answered) or this process shuts the stream down."""
+        stream = _Stream()
+        self._streams.add(stream)
+        unsubscribe = self._versions.listen(
+            lambda v: stream.answers.put_nowait(dataproxy_pb2.LedgerResponse(weight_version=v))
+        )
+        # The gateway's view starts from this process's.
+        stream.answers.put_nowait(
+            dataproxy_pb2.LedgerResponse(weight_version=self._versions.current)
+        )
+        reader = asyncio.create_task(self._read(stream, requests), name="ledger-reader")
+        try:
+            # None: the stream ends (the gateway closed its side, or this process shuts down).
+            while (answer := await stream.answers.get()) is not None:
+                yield answer
+        finally:
+            unsubscribe()
+            await cancel_and_wait(reader)
+            # What is under way finishes (a record lands even when the gateway went away).
+            if stream.ops:
+                await asyncio.wait(set(stream.ops))
+            self._streams.discard(stream)
+            await self._release_unfinished(stream)
+            self._check_drained()
+
+    async def close(self, timeout_s: float) -> None:
+        """Refuses new turns, waits (≤ timeout_s) until every admitted turn is recorded or
+        released, then ends every stream."""
+        self._closing = True
+        self._check_drained()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._drained.wait()
+        if self.unfinished:
+            log.warning("ledger_closed_with_unfinished_turns", turns=self.unfinished)
+        for stream in list(self._streams):
+            stream.answers.put_nowait(None)
+
+    def _check_drained(self) -> None:
+        if self._closing and self.unfinished == 0:
+            self._drained.set()
+
+    async def _read(
+        self, stream: _Stream, requests: AsyncIterator[dataproxy_pb2.LedgerRequest]
+    ) -> None:
+        try:
+            async for request in requests:
+                # One task per op (two per turn): a begin that waits out a pause holds up
+                # nothing else.
+                op = asyncio.create_task(self._answer(stream, request))
+                stream.ops.add(op)
+                op.add_done_callback(stream.ops.discard)
+        finally:
+            # The gateway closed its side (or went away): answer what it asked, then end.
+            if stream.ops:
+                await asyncio.wait(set(stream.ops))
+            stream.answers.put_nowait(None)
+
+    async def _answer(self, stream: _Stream, request: dataproxy_pb2.LedgerRequest) -> None:
+        kind = request.WhichOneof("op") or "none"
+        started = time.perf_counter()
+        code, message = "OK", ""
+        try:
+            async with asyncio.timeout(request.timeout_s or DEFAULT_OP_TIMEOUT_S):
+                answer = await self._run(stream, request, kind)
+        except Exception as err:
+            error = err if isinstance(err, RollgateError) else None
+            error = error or as_rollgate_error(err, service="dataproxy", method=f"{METHOD}/{kind}")
+            answer = dataproxy_pb2.LedgerResponse(error_json=error.to_payload())
+            code, message = error.grpc_status.name, error.message
+        answer.id = request.id
+        stream.answers.put_nowait(answer)
+        if self._on_op is not None:
+            self._on_op(kind, code, time.perf_counter() - started, message)
+        self._check_drained()
+
+    async def _run(
+        self, stream: _Stream, request: dataproxy_pb2.LedgerRequest, kind: str
+    ) -> dataproxy_pb2.LedgerResponse:
+        if kind == "begin":
+            if self._closing:
+                raise Unavailable(CLOSING, code="dataproxy_stopping", retry_after_s=1.0)
+            begin = request.begin
+            admitted = await self._ledger.begin(
+                begin.key_digest, session_id=begin.session_id, request_id=begin.request_id
+            )
+            stream.admitted[admitted.token] = admitted.ticket
+            return dataproxy_pb2.LedgerResponse(
+                admitted=dataproxy_pb2.TurnAdmitted(
+                    ticket=admitted.ticket,
+                    weight_version=admitted.weight_version,
+                    session_id=admitted.session_id,
+                )
+            )
+        if kind == "record":
+            record = request.record
+            self._forget(record.ticket)
+            recorded = await self._ledger.record(record.ticket, _turn_end(record))
+            return dataproxy_pb2.LedgerResponse(
+                recorded=dataproxy_pb2.TurnRecorded(
+                    interaction_id=recorded.interaction_id,
+                    session_id=recorded.session_id,
+                    index=recorded.index,
+                )
+            )
+        if kind == "release":
+            self._forget(request.release.ticket)
+            await self._ledger.release(request.release.ticket)
+            return dataproxy_pb2.LedgerResponse(released=True)
+        raise InvalidRequest("a ledger request needs begin, record or release")
+
+    def _forget(self, ticket: bytes) -> None:
+        """The turn is ending: no stream has to release it any more (any stream may end it)."""
+        token = decode_ticket(ticket).lease_token
+        for stream in self._streams:
+            stream.admitted.pop(token, None)
+
+    async def _release_unfinished(self, stream: _Stream) -> None:
+        for ticket in stream.admitted.values():
+            with contextlib.suppress(Exception):
+                await self._ledger.release(ticket)
+        if stream.admitted:
+            log.warning("ledger_stream_ended_with_unfinished_turns", turns=len(stream.admitted))
+        stream.admitted.clear()
+
+
+def _turn_end(record: dataproxy_pb2.RecordTurn) -> TurnEnd:
+    return TurnEnd(
+        record=record.record,
+        request_json=record.request_json,
+        interaction_id=record.interaction_id,
+        turn_type=record.turn_type or "main",
+        session_done=record.session_done,
+        request_id=record.request_id,
+        streamed=record.streamed,
+        spans=[(s.tokens, s.weight_version) for s in record.spans],
+    )

@@ -1,0 +1,288 @@
+"""The gateway's side of the turn ledger: long-lived streams to the dataproxy, ops by id.
+
+Every relayed turn sends a `BeginTurn` before it calls the worker and a `RecordTurn` (or a
+`ReleaseTurn`) when the worker is done, as messages on a `DataProxy.Ledger` stream that many
+turns share; each op waits for its answer (matched by id) with its own deadline. One stream
+per dataproxy address in the target; a session's ops go to the same stream, so the replica
+that recorded its previous turn usually records the next (it stores only what the turn adds).
+A stream that breaks fails the ops waiting on it and is reopened by the next op; an op whose
+stream broke is retried once on a fresh one (records several times: appending is idempotent
+by interaction id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from protos import common_pb2, dataproxy_pb2
+from services.runtime.errors import (
+    InternalError,
+    RollgateError,
+    Unavailable,
+    UpstreamTimeout,
+    from_payload,
+    from_rpc_error,
+)
+from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from protos.dataproxy_pb2_grpc import DataProxyAsyncStub
+
+log = get_logger(__name__)
+
+BEGIN_ATTEMPTS = 2
+RECORD_ATTEMPTS = 3
+RELEASE_ATTEMPTS = 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """An admitted turn: its ticket (opaque), weight version and session."""
+
+    ticket: bytes
+    weight_version: int
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recorded:
+    """A recorded turn: the interaction id it was recorded under, and its session."""
+
+    interaction_id: str
+    session_id: str
+
+
+class _StreamLost(Exception):
+    """The stream an op was sent on broke before its answer came."""
+
+    def __init__(self, error: RollgateError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _Stream:
+    """One open `DataProxy.Ledger` call: writes serialized, answers dispatched by id."""
+
+    def __init__(self, stub: DataProxyAsyncStub, ledger: LedgerClient) -> None:
+        self._call: Any = stub.Ledger()
+        self._ledger = ledger
+        self._pending: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
+        # grpc.aio allows one write in flight per call.
+        self._write_lock = asyncio.Lock()
+        self.alive = True
+        self._reader = asyncio.create_task(self._read(), name="ledger-reader")
+
+    async def ask(
+        self, request: dataproxy_pb2.LedgerRequest, timeout_s: float
+    ) -> dataproxy_pb2.LedgerResponse:
+        """The answer to `request`; _StreamLost when the stream broke first."""
+        answer: asyncio.Future[dataproxy_pb2.LedgerResponse]
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = answer
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._write_lock:
+                    if not self.alive:
+                        raise _StreamLost(_lost())
+                    try:
+                        await self._call.write(request)
+                    except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
+                        self.alive = False
+                        raise _StreamLost(_error_of(err)) from None
+                return await answer
+        except TimeoutError:
+            raise UpstreamTimeout(
+                "the dataproxy did not answer in time", code="dataproxy_timeout"
+            ) from None
+        finally:
+            self._pending.pop(request.id, None)
+
+    async def _read(self) -> None:
+        error = _lost()
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    break
+                if message.id == 0:
+                    if message.WhichOneof("result") == "weight_version":
+                        self._ledger.saw_version(message.weight_version)
+                    continue
+                waiter = self._pending.get(message.id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(message)
+        except grpc.aio.AioRpcError as err:
+            error = _error_of(err)
+        finally:
+            self.alive = False
+            for waiter in self._pending.values():
+                if not waiter.done():
+                    waiter.set_exception(_StreamLost(error))
+
+    async def close(self) -> None:
+        """Half-closes the stream, then stops reading."""
+        if self.alive:
+            with contextlib.suppress(Exception):
+                async with self._write_lock:
+                    await self._call.done_writing()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await asyncio.shield(self._reader)
+        self._call.cancel()
+        await cancel_and_wait(self._reader)
+
+
+def _lost() -> RollgateError:
+    return Unavailable(
+        "the connection to the dataproxy was lost; retry", code="dataproxy_unavailable",
+        retry_after_s=1.0,
+    )  # fmt: skip
+
+
+def _error_of(err: Exception) -> RollgateError:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return from_rpc_error(err, hop="dataproxy")
+    return _lost()
+
+
+class LedgerClient:
+    """Begin, record and release over `streams` ledger streams on one dataproxy channel."""
+
+    def __init__(self, stub: DataProxyAsyncStub, *, streams: int = 1) -> None:
+        self._stub = stub
+        self._streams: list[_Stream | None] = [None] * max(1, streams)
+        self._ids = itertools.count(1)
+        self._weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The highest weight version any dataproxy announced (streamed tokens carry it)."""
+        return self._weight_version
+
+    def saw_version(self, version: int) -> None:
+        """A dataproxy announced `version` (versions only move forward)."""
+        self._weight_version = max(self._weight_version, version)
+
+    async def begin(
+        self, *, route_key: str, digest: str, session_id: str, request_id: str, timeout_s: float
+    ) -> Admitted:
+        """Admission of a turn (waits while submission is paused, up to the dataproxy's wait)."""
+        answer = await self._ask(
+            route_key,
+            dataproxy_pb2.LedgerRequest(
+                begin=dataproxy_pb2.BeginTurn(
+                    key_digest=digest, session_id=session_id, request_id=request_id
+                )
+            ),
+            timeout_s=timeout_s,
+            attempts=BEGIN_ATTEMPTS,
+        )
+        admitted = _result(answer, "admitted").admitted
+        self.saw_version(admitted.weight_version)
+        return Admitted(
+            ticket=admitted.ticket,
+            weight_version=admitted.weight_version,
+            session_id=admitted.session_id,
+        )
+
+    async def record(
+        self,
+        *,
+        route_key: str,
+        ticket: bytes,
+        record: common_pb2.TurnRecord,
+        request_json: bytes,
+        interaction_id: str,
+        turn_type: str,
+        session_done: bool,
+        request_id: str,
+        spans: Sequence[tuple[int, int]] | None,
+        timeout_s: float,
+    ) -> Recorded:
+        """Appends the turn to its episode; `spans` are a streamed turn's (tokens, version)."""
+        answer = await self._ask(
+            route_key,
+            dataproxy_pb2.LedgerRequest(
+                record=dataproxy_pb2.RecordTurn(
+                    ticket=ticket,
+                    record=record,
+                    request_json=request_json,
+                    interaction_id=interaction_id,
+                    turn_type=turn_type,
+                    session_done=session_done,
+                    request_id=request_id,
+                    streamed=spans is not None,
+                    spans=[
+                        dataproxy_pb2.VersionSpan(tokens=tokens, weight_version=version)
+                        for tokens, version in spans or ()
+                    ],
+                )
+            ),
+            timeout_s=timeout_s,
+            attempts=RECORD_ATTEMPTS,
+        )
+        recorded = _result(answer, "recorded").recorded
+        return Recorded(interaction_id=recorded.interaction_id, session_id=recorded.session_id)
+
+    async def release(self, *, route_key: str, ticket: bytes, timeout_s: float) -> None:
+        """The turn ended without a record: its lease goes."""
+        answer = await self._ask(
+            route_key,
+            dataproxy_pb2.LedgerRequest(release=dataproxy_pb2.ReleaseTurn(ticket=ticket)),
+            timeout_s=timeout_s,
+            attempts=RELEASE_ATTEMPTS,
+        )
+        _result(answer, "released")
+
+    async def close(self) -> None:
+        """Ends every stream (gateway shutdown, after its in-flight turns)."""
+        streams = [s for s in self._streams if s is not None]
+        self._streams = [None] * len(self._streams)
+        for stream in streams:
+            await stream.close()
+
+    def _stream(self, route_key: str) -> _Stream:
+        index = zlib.crc32(route_key.encode()) % len(self._streams)
+        stream = self._streams[index]
+        if stream is None or not stream.alive:
+            stream = self._streams[index] = _Stream(self._stub, self)
+        return stream
+
+    async def _ask(
+        self,
+        route_key: str,
+        request: dataproxy_pb2.LedgerRequest,
+        *,
+        timeout_s: float,
+        attempts: int,
+    ) -> dataproxy_pb2.LedgerResponse:
+        request.timeout_s = timeout_s
+        for attempt in range(attempts):
+            request.id = next(self._ids)
+            try:
+                return await self._stream(route_key).ask(request, timeout_s)
+            except _StreamLost as lost:
+                if attempt + 1 == attempts:
+                    raise lost.error from None
+                log.warning("ledger_stream_lost_retrying", op=request.WhichOneof("op"))
+        raise AssertionError("unreachable")
+
+
+def _result(answer: dataproxy_pb2.LedgerResponse, expected: str) -> dataproxy_pb2.LedgerResponse:
+    kind = answer.WhichOneof("result")
+    if kind == expected:
+        return answer
+    if kind == "error_json":
+        raise from_payload(answer.error_json) or InternalError(
+            "the dataproxy failed the turn; see its logs", code="dataproxy_failed"
+        )
+    raise InternalError(f"the dataproxy answered {kind} to a {expected} request")

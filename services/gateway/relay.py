@@ -1,0 +1,495 @@
+"""The one relay of a turn, shared by chat completions, Responses and the WebSocket bridge.
+
+A turn: route (cached) → `BeginTurn` on the ledger (admission, the in-flight lease, the weight
+version) → `Worker.Generate` / `Worker.Complete` straight to the worker the router chose →
+each batch of chunks to the caller as it arrives, its output tokens stamped with the weight
+version current as it passes → `RecordTurn` on the ledger → the caller's end (`Done`: the
+recorded assistant message, usage and finish reason, nothing re-accumulated here). The end is
+never given before the record is written: an answered turn is a recorded turn.
+
+The body is parsed once, by the protocol handler; the relay sends the worker the recorded
+part (`{"tools"?, "messages"}`, which the worker forwards without parsing it) and the other
+fields, and the dataproxy the same recorded part with the worker's record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+import orjson
+
+from protos import worker_pb2, worker_pb2_grpc
+from services.gateway.header_mode import TurnTags
+from services.gateway.ledger import Admitted, LedgerClient
+from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
+from services.runtime.errors import (
+    RollgateError,
+    UpstreamError,
+    UpstreamTimeout,
+    from_rpc_error,
+)
+from services.runtime.grpc_client import ChannelPool
+from services.runtime.logs import get_logger
+
+if TYPE_CHECKING:
+    from protos.router_pb2_grpc import RouterAsyncStub
+
+log = get_logger(__name__)
+
+# A bare UNAVAILABLE from a worker (no rollgate error in it): the process is not reachable.
+WORKER_UNAVAILABLE_CODE = "worker_unavailable"
+# Releasing the lease of a turn that ends without a record is one small ledger op.
+RELEASE_TIMEOUT_S = 5.0
+# A record that failed with these never reached the dataproxy (which releases the lease of a
+# record it refused): the relay releases it.
+_UNANSWERED = frozenset({"dataproxy_unavailable", "dataproxy_timeout", "gateway_timeout"})
+# The fields of a body that make up its recorded part, forwarded and recorded as one blob.
+RECORDED_FIELDS = ("tools", "messages")
+
+
+def split_body(body: Mapping[str, Any]) -> tuple[bytes, bytes]:
+    """The recorded part `{"tools"?, "messages"}` (tools first: the next turn's request then
+    extends this one's bytes, and the dataproxy stores the shared prefix once) and the other
+    fields, each as JSON."""
+    recorded: dict[str, Any] = {"tools": body["tools"]} if "tools" in body else {}
+    recorded["messages"] = body["messages"]
+    params = {k: v for k, v in body.items() if k not in RECORDED_FIELDS}
+    return orjson.dumps(recorded), orjson.dumps(params)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnSpec:
+    """One turn as a protocol handler hands it to the relay."""
+
+    digest: str
+    model: str
+    # {"tools"?, "messages"} and the other fields of the chat body (`split_body`).
+    request_json: bytes
+    params_json: bytes
+    request_id: str
+    # time.monotonic() by which the whole turn must be done.
+    deadline: float
+    # Record the turn under this id (the id the client saw); empty: the completion id.
+    interaction_id: str = ""
+    # OpenClaw-RL's session headers (services/gateway/header_mode.py), on every path.
+    tags: TurnTags = field(default_factory=TurnTags)
+    # Streaming: text deltas instead of chat chunks (the Responses and WebSocket bridges).
+    deltas_only: bool = False
+
+    @property
+    def route_key(self) -> str:
+        """What worker affinity follows: the key, or the key's named session."""
+        return f"{self.digest}/{self.tags.session_id}" if self.tags.session_id else self.digest
+
+    def remaining_s(self) -> float:
+        """The budget left, or UpstreamTimeout when it is spent."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise UpstreamTimeout("the request ran out of time", code="gateway_timeout")
+        return remaining
+
+
+def bridge_spec(
+    *,
+    digest: str,
+    body: Mapping[str, Any],
+    request_id: str,
+    timeout_s: float,
+    interaction_id: str,
+    tags: TurnTags,
+) -> TurnSpec:
+    """A streamed turn of the Responses or WebSocket bridge: a chat body they built, text
+    deltas back, recorded under the id the client saw (`resp_…`, the runId)."""
+    request_json, params_json = split_body({**body, "stream": True})
+    return TurnSpec(
+        digest=digest,
+        model=str(body.get("model") or ""),
+        request_json=request_json,
+        params_json=params_json,
+        request_id=request_id,
+        deadline=time.monotonic() + timeout_s,
+        interaction_id=interaction_id,
+        tags=tags,
+        deltas_only=True,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallDelta:
+    """A fragment of one tool call (id and name only on its first fragment)."""
+
+    index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delta:
+    """What one batch of chunks added to the answer."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chunks:
+    """Chat chunks that arrived together, each one SSE `data:` payload."""
+
+    payloads: list[bytes]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """A complete tool call of the recorded answer."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Done:
+    """The turn is recorded: what was recorded, and the answer's last chunks or delta (the
+    ones that arrived with the end travel with it, one write with the end)."""
+
+    interaction_id: str
+    session_id: str
+    # The recorded assistant message {role, content, reasoning_content?, tool_calls?}.
+    message: dict[str, Any]
+    usage: dict[str, Any]
+    finish_reason: str
+    model: str
+    tail: list[bytes] = field(default_factory=list)
+    tail_delta: Delta | None = None
+
+    @property
+    def content(self) -> str:
+        """The answer's text."""
+        return str(self.message.get("content") or "")
+
+    @property
+    def reasoning(self) -> str:
+        """The answer's reasoning text."""
+        return str(self.message.get("reasoning_content") or "")
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The answer's tool calls (an id made up from the interaction when none was sent)."""
+        calls = []
+        for index, call in enumerate(self.message.get("tool_calls") or ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            function = function if isinstance(function, dict) else {}
+            calls.append(
+                ToolCall(
+                    call_id=str(call.get("id") or f"call_{self.interaction_id}_{index}"),
+                    name=str(function.get("name") or ""),
+                    arguments=str(function.get("arguments") or ""),
+                )
+            )
+        return tuple(calls)
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The chat assistant message of this answer (as it goes into a history)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+Event = Chunks | Delta | Done
+
+
+class _VersionSpans:
+    """(tokens, version) of a streamed turn's batches, in order, as they pass the gateway."""
+
+    def __init__(self, *, ledger: LedgerClient, admitted: int) -> None:
+        self._ledger = ledger
+        self._admitted = admitted
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, tokens: int) -> None:
+        """Stamps `tokens` with the current version (never older than the admission one)."""
+        if tokens <= 0:
+            return
+        version = max(self._ledger.weight_version, self._admitted)
+        if self.spans and self.spans[-1][1] == version:
+            self.spans[-1] = (self.spans[-1][0] + tokens, version)
+        else:
+            self.spans.append((tokens, version))
+
+
+def _delta(message: worker_pb2.Delta) -> Delta:
+    return Delta(
+        content=message.content,
+        reasoning=message.reasoning,
+        tool_calls=tuple(
+            ToolCallDelta(index=f.index, call_id=f.id, name=f.name, arguments=f.arguments)
+            for f in message.tool_calls
+        ),
+    )
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    with contextlib.suppress(orjson.JSONDecodeError):
+        value = orjson.loads(raw) if raw else {}
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+_GenerateCall = Any
+
+
+class Routes(Protocol):
+    """Which worker serves a turn."""
+
+    async def choose(
+        self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
+    ) -> WorkerChoice:
+        """The worker for (route key, model), avoiding `avoid_worker_id`."""
+        ...
+
+    def forget(self, route_key: str, model: str) -> None:
+        """Drops a remembered choice (its worker could not be reached)."""
+
+
+class RouterRoutes:
+    """The router's answers, cached per (route key, model) for a few seconds."""
+
+    def __init__(self, router: RouterAsyncStub, cache: RouteCache) -> None:
+        self._router = router
+        self._cache = cache
+
+    async def choose(
+        self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
+    ) -> WorkerChoice:
+        """From the cache, else from `Router.Route`."""
+        return await choose_worker(
+            self._router,
+            self._cache,
+            digest=route_key,
+            model=model,
+            timeout_s=timeout_s,
+            avoid_worker_id=avoid_worker_id,
+        )
+
+    def forget(self, route_key: str, model: str) -> None:
+        """Drops the cached choice."""
+        self._cache.drop(route_key, model)
+
+
+class TurnRelay:
+    """Routes, admits, calls the worker, relays, records; one per gateway process."""
+
+    def __init__(
+        self,
+        *,
+        routes: Routes,
+        ledger: LedgerClient,
+        workers: ChannelPool,
+        rpc_timeout_s: float,
+    ) -> None:
+        self._routes = routes
+        self._ledger = ledger
+        self._workers = workers
+        self._rpc_timeout_s = rpc_timeout_s
+
+    async def stream(
+        self, spec: TurnSpec, *, on_routed: Callable[[str], None] | None = None
+    ) -> AsyncGenerator[Event, None]:
+        """Chunks (or deltas) as the worker sends them, then Done once the turn is recorded;
+        raises RollgateError. `on_routed` gets the worker's address once its stream is open
+        (where an abort of the turn goes)."""
+        admitted: Admitted | None = None
+        recording = ended = False  # ended: the dataproxy answered the record (lease released)
+        answered = False
+        call: _GenerateCall = None
+        try:
+            choice = await self._route(spec)
+            admitted = await self._begin(spec)
+            call, message, choice = await self._open(spec, admitted, choice)
+            if on_routed is not None:
+                on_routed(choice.address)
+            spans = _VersionSpans(ledger=self._ledger, admitted=admitted.weight_version)
+            while not message.HasField("record"):
+                batch = message.chunks
+                spans.add(batch.output_tokens)
+                if spec.deltas_only:
+                    if batch.HasField("delta"):
+                        yield _delta(batch.delta)
+                elif batch.chunks:
+                    yield Chunks(payloads=list(batch.chunks))
+                message = await self._read(call)
+            # The worker's stream ends on its own now (not cancelled: its turn ended well).
+            answered = True
+            tail = message.chunks
+            spans.add(tail.output_tokens)
+            recording = True
+            done = await self._record(spec, admitted, message.record, spans.spans)
+            ended = True
+            yield Done(
+                **done,
+                tail=[] if spec.deltas_only else list(tail.chunks),
+                tail_delta=_delta(tail.delta) if tail.HasField("delta") else None,
+            )
+        except RollgateError as err:
+            ended = ended or (recording and err.code not in _UNANSWERED)
+            raise
+        finally:
+            if call is not None and not answered:
+                # Stops the generation when the caller gave up or the turn failed.
+                call.cancel()
+            if admitted is not None and not ended:
+                await self._release(spec, admitted)
+
+    async def complete(self, spec: TurnSpec) -> tuple[bytes, Done]:
+        """One non-streaming turn: the body for the client and Done, after the record."""
+        admitted: Admitted | None = None
+        recording = ended = False
+        try:
+            choice = await self._route(spec)
+            admitted = await self._begin(spec)
+            request = self._generate_request(spec, admitted)
+            rerouted = False
+            while True:
+                stub = worker_pb2_grpc.WorkerStub(self._workers.get(choice.address))
+                try:
+                    answer = await stub.Complete(request, timeout=spec.remaining_s())
+                    break
+                except grpc.aio.AioRpcError as err:
+                    error = from_rpc_error(err, hop="worker")
+                    if rerouted or error.code != WORKER_UNAVAILABLE_CODE:
+                        raise error from None
+                    rerouted = True
+                    choice = await self._reroute(spec, choice)
+            recording = True
+            done = await self._record(spec, admitted, answer.record, None)
+            ended = True
+            return answer.body_json, Done(**done)
+        except RollgateError as err:
+            ended = ended or (recording and err.code not in _UNANSWERED)
+            raise
+        finally:
+            if admitted is not None and not ended:
+                await self._release(spec, admitted)
+
+    async def _route(self, spec: TurnSpec, avoid_worker_id: str = "") -> WorkerChoice:
+        return await self._routes.choose(
+            spec.route_key,
+            spec.model,
+            timeout_s=min(self._rpc_timeout_s, spec.remaining_s()),
+            avoid_worker_id=avoid_worker_id,
+        )
+
+    async def _reroute(self, spec: TurnSpec, choice: WorkerChoice) -> WorkerChoice:
+        """Another worker than `choice`, which could not be reached."""
+        self._routes.forget(spec.route_key, spec.model)
+        log.warning("worker_unreachable_rerouting", worker_id=choice.worker_id)
+        return await self._route(spec, avoid_worker_id=choice.worker_id)
+
+    async def _begin(self, spec: TurnSpec) -> Admitted:
+        return await self._ledger.begin(
+            route_key=spec.route_key,
+            digest=spec.digest,
+            session_id=spec.tags.session_id,
+            request_id=spec.request_id,
+            timeout_s=spec.remaining_s(),
+        )
+
+    def _generate_request(self, spec: TurnSpec, admitted: Admitted) -> worker_pb2.GenerateRequest:
+        return worker_pb2.GenerateRequest(
+            request_json=spec.request_json,
+            params_json=spec.params_json,
+            weight_version=admitted.weight_version,
+            request_id=spec.request_id,
+            deltas_only=spec.deltas_only,
+        )
+
+    async def _open(
+        self, spec: TurnSpec, admitted: Admitted, choice: WorkerChoice
+    ) -> tuple[_GenerateCall, worker_pb2.GenerateResponse, WorkerChoice]:
+        """Starts `Worker.Generate` and reads its first message (rerouted once when the worker
+        is unreachable), before anything reaches the client."""
+        request = self._generate_request(spec, admitted)
+        rerouted = False
+        while True:
+            stub = worker_pb2_grpc.WorkerStub(self._workers.get(choice.address))
+            call = stub.Generate(request, timeout=spec.remaining_s())
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as err:
+                error = from_rpc_error(err, hop="worker")
+                if rerouted or error.code != WORKER_UNAVAILABLE_CODE:
+                    raise error from None
+                rerouted = True
+                choice = await self._reroute(spec, choice)
+                continue
+            except BaseException:
+                call.cancel()
+                raise
+            if first is grpc.aio.EOF:
+                raise UpstreamError("the worker ended the turn without a token record")
+            return call, first, choice
+
+    @staticmethod
+    async def _read(call: _GenerateCall) -> worker_pb2.GenerateResponse:
+        try:
+            message = await call.read()
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, hop="worker") from None
+        if message is grpc.aio.EOF:
+            raise UpstreamError("the worker ended the turn without a token record")
+        assert isinstance(message, worker_pb2.GenerateResponse)
+        return message
+
+    async def _record(
+        self,
+        spec: TurnSpec,
+        admitted: Admitted,
+        record: Any,
+        spans: list[tuple[int, int]] | None,
+    ) -> dict[str, Any]:
+        recorded = await self._ledger.record(
+            route_key=spec.route_key,
+            ticket=admitted.ticket,
+            record=record,
+            request_json=spec.request_json,
+            interaction_id=spec.interaction_id,
+            turn_type=spec.tags.turn_type,
+            session_done=spec.tags.session_done,
+            request_id=spec.request_id,
+            spans=spans,
+            timeout_s=spec.remaining_s(),
+        )
+        return {
+            "interaction_id": recorded.interaction_id,
+            "session_id": recorded.session_id,
+            "message": _json_object(record.assistant_message_json),
+            "usage": _json_object(record.usage_json),
+            "finish_reason": record.finish_reason or "stop",
+            "model": record.upstream_model or spec.model,
+        }
+
+    async def _release(self, spec: TurnSpec, admitted: Admitted) -> None:
+        # Shielded: a cancelled turn still stops counting as in flight (else its lease expires).
+        with contextlib.suppress(Exception):
+            await asyncio.shield(
+                self._ledger.release(
+                    route_key=spec.route_key, ticket=admitted.ticket, timeout_s=RELEASE_TIMEOUT_S
+                )
+            )

@@ -1,0 +1,145 @@
+"""The turn ledger: begin and record as messages on one stream, against a real dataproxy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+from protos import dataproxy_pb2
+from services.gateway.ledger import Admitted, LedgerClient
+from services.gateway.relay import Chunks, Done
+from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
+from services.runtime.keys import key_digest
+from tests.dataproxy.turn_records import turn_record
+from tests.harness.inprocess import (
+    RPC_TIMEOUT_S,
+    DataproxyChain,
+    collect,
+    eventually,
+    running_dataproxy_chain,
+)
+
+REQUEST = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chain(DataproxyChain):
+    """A dataproxy and a worker; the tests drive the ledger like a gateway."""
+
+    async def start(self) -> str:
+        started = await self.dataproxy.StartSession(
+            dataproxy_pb2.StartSessionRequest(task_id="ledger"), timeout=RPC_TIMEOUT_S
+        )
+        return key_digest(started.api_key)
+
+    async def begin(self, ledger: LedgerClient, digest: str) -> Admitted:
+        return await ledger.begin(
+            route_key=digest, digest=digest, session_id="", request_id="r", timeout_s=5
+        )
+
+    async def record(self, ledger: LedgerClient, digest: str, ticket: bytes) -> str:
+        recorded = await ledger.record(
+            route_key=digest,
+            ticket=ticket,
+            record=turn_record(interaction_id="chatcmpl-ledger", output_token_ids=[5, 6]),
+            request_json=REQUEST,
+            interaction_id="",
+            turn_type="main",
+            session_done=False,
+            request_id="r",
+            spans=None,
+            timeout_s=5,
+        )
+        return recorded.interaction_id
+
+    async def in_flight(self) -> int:
+        return int(await self.redis.zcard(self.keys.in_flight))
+
+
+@pytest.fixture
+async def chain(redis_url: str, key_prefix: str) -> AsyncIterator[Chain]:
+    async with running_dataproxy_chain(
+        redis_url, key_prefix, chain_type=Chain, token_interval_ms=30.0
+    ) as running:
+        yield running
+
+
+def fresh_ledger(chain: Chain) -> LedgerClient:
+    """Another gateway's ledger client (its own stream)."""
+    stub: Any = chain.dataproxy
+    return LedgerClient(stub)
+
+
+async def until_released(chain: Chain) -> None:
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while await chain.in_flight():
+        assert asyncio.get_running_loop().time() < deadline, "the lease was not released"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_record_sent_twice_is_recorded_once(chain: Chain) -> None:
+    digest = await chain.start()
+    admitted = await chain.begin(chain.ledger, digest)
+    assert await chain.in_flight() == 1
+
+    first = await chain.record(chain.ledger, digest, admitted.ticket)
+    again = await chain.record(chain.ledger, digest, admitted.ticket)
+
+    assert first == again == "chatcmpl-ledger"
+    assert [t["interaction_id"] for t in await chain.turns(digest)] == ["chatcmpl-ledger"]
+    assert await chain.in_flight() == 0
+
+
+async def test_a_ticket_the_dataproxy_did_not_issue_is_refused(chain: Chain) -> None:
+    digest = await chain.start()
+
+    with pytest.raises(InvalidRequest, match="ticket"):
+        await chain.record(chain.ledger, digest, b"not a ticket")
+
+    assert await chain.turns(digest) == []
+
+
+async def test_turns_of_a_gateway_that_went_away_are_released(chain: Chain) -> None:
+    digest = await chain.start()
+    gateway = fresh_ledger(chain)
+    await chain.begin(gateway, digest)
+    await chain.begin(gateway, digest)
+    assert await chain.in_flight() == 2
+
+    await gateway.close()
+
+    await until_released(chain)
+    assert await chain.redis.hlen(chain.keys.episode_turns) == 0
+
+
+async def test_a_stopping_dataproxy_refuses_new_turns_and_records_the_running_one(
+    chain: Chain,
+) -> None:
+    digest = await chain.start()
+    running = chain.call(digest, "one two three four five six seven eight nine ten")
+    assert isinstance(await running.read(), Chunks)
+
+    stopping = asyncio.create_task(chain.dataproxy_server.stop())
+    await eventually(lambda: chain.dataproxy_server.draining)
+    with pytest.raises(Unavailable) as refused:
+        await chain.begin(fresh_ledger(chain), digest)
+    rest = await collect(running)
+    await stopping
+
+    assert refused.value.code == "dataproxy_stopping"
+    assert isinstance(rest[-1], Done)
+    [turn] = await chain.turns(digest)
+    assert turn["interaction_id"] == rest[-1].interaction_id
+    assert await chain.in_flight() == 0
+
+
+async def test_an_answer_carries_the_error_the_dataproxy_raised(chain: Chain) -> None:
+    with pytest.raises(RollgateError) as caught:
+        await chain.begin(chain.ledger, key_digest("sk-sess-" + "q" * 43))
+    assert caught.value.http_status == 401
+    assert "unknown session key" in caught.value.message
