@@ -462,13 +462,10 @@ async def test_replaying_the_export_gives_the_same_rows_as_the_live_stream(
     export(stack, everything)
     # The export holds every test's episodes; keep this test's, as a user would select a run.
     run = tmp_path / "run.jsonl"
-    run.write_text(
-        "".join(
-            line + "\n"
-            for line in everything.read_text().splitlines()
-            if any(tid in line for tid in live_ids)
-        )
-    )
+    # In the order the live workflow consumed them (two episodes may be published, and so
+    # exported, in the other order).
+    lines = everything.read_text().splitlines()
+    run.write_text("".join(line + "\n" for tid in live_ids for line in lines if tid in line))
     for path in (run, dump):
         replay_wf = RollgateWorkflow(
             replay=str(path), admin_key="unused-offline", check_staleness=False
