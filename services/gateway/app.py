@@ -11,6 +11,7 @@ from services.gateway import (
     console,
     health,
     key_admin,
+    messages,
     models,
     responses,
     session_api,
@@ -30,9 +31,10 @@ log = get_logger(__name__)
 def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) -> web.Application:
     """The application: routes, middlewares, and the gRPC channels as a cleanup context.
     Its metrics go into `metrics`'s registry (served on the metrics port, not here)."""
-    # Outermost first: metrics see the status the error middleware produced.
+    # Outermost first: metrics see the status the error middleware produced; the Messages
+    # paths then reshape it as Anthropic's error.
     app = web.Application(
-        middlewares=[health.metrics_middleware, error_middleware],
+        middlewares=[health.metrics_middleware, messages.anthropic_errors, error_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -55,6 +57,7 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
         app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
         app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)
     responses.mount(app)
+    messages.mount(app)
     ws.mount(app, ws.config_from(settings))
     # Last of the session-key routes: each gets a /sessions/{id} twin (url_sessions.py).
     url_sessions.mount(app)

@@ -36,8 +36,8 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-# /v1/messages and what lies under it, at the top level or under /sessions/<id>.
-_MESSAGES_PATH = re.compile(r"(/sessions/[^/]*)?/v1/messages(/.*)?")
+# /v1/messages and what lies under it, at the top level or under a session path.
+_MESSAGES_PATH = re.compile(r"(/sessions/[^/]*|/rollout/[^/]*/attempt/[^/]*)?/v1/messages(/.*)?")
 
 
 def new_message_id() -> str:
@@ -55,9 +55,13 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body."""
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+def error_body(status: int, message: str, code: str = "") -> dict[str, Any]:
+    """Anthropic's error body; rollgate's own error code rides along in `error.code` (clients
+    ignore fields they do not know, and the code is what docs and logs name)."""
+    error = {"type": error_type(status), "message": message}
+    if code:
+        error["code"] = code
+    return {"type": "error", "error": error}
 
 
 def sse_event(kind: str, data: dict[str, Any]) -> bytes:
@@ -65,9 +69,9 @@ def sse_event(kind: str, data: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-def error_event(status: int, message: str) -> bytes:
+def error_event(status: int, message: str, code: str = "") -> bytes:
     """The `error` event that ends a stream which failed after it started."""
-    return sse_event("error", error_body(status, message))
+    return sse_event("error", error_body(status, message, code))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

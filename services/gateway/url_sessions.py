@@ -4,15 +4,17 @@ rLLM's, verl's and miles' gateways let a stock client name its session in `base_
 (`http://<gw>/sessions/<id>/v1`). Here the path does what `X-Session-Id` does with a header-mode
 key (POST /rl/keys), on every session-key route: each route below gets a twin under
 `/sessions/{session_id}` whose handler is the same one, called with `X-Session-Id` set from the
-path. A per-episode key cannot name episodes, so it is refused on these paths; so is a path id
-that disagrees with an `X-Session-Id` header (or a body `session_id` on the /rl/* routes).
+path. Agent Lightning's `/rollout/<rollout>/attempt/<attempt>/v1/...` names the session
+`<rollout>:<attempt>` the same way. A per-episode key cannot name episodes, so it is refused on
+these paths; so is a path id that disagrees with an `X-Session-Id` header (or a body
+`session_id` on the /rl/* routes).
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -32,6 +34,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The path parameter may be empty so that `/sessions//v1/...` gets the 400 that says why.
 SESSION_PREFIX = "/sessions/{session_id:[^{}/]*}"
+# Agent Lightning's LLM proxy form: one episode per attempt, named `<rollout_id>:<attempt_id>`.
+ATTEMPT_PREFIX = "/rollout/{rollout_id:[^{}/]*}/attempt/{attempt_id:[^{}/]*}"
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 HEADER_MODE = "header"
 # The session-key routes that get a twin under SESSION_PREFIX (the models list also takes the
@@ -58,8 +62,8 @@ _BODY_SESSION_ID = frozenset({"/rl/set_reward", "/rl/end_session"})
 MAX_KNOWN_KEYS = 65536
 
 INVALID_SESSION_ID_MESSAGE = (
-    "the session id in the URL path (/sessions/<id>/…) must be 1 to 128 characters of "
-    "A-Z a-z 0-9 . _ : -"
+    "the session id in the URL path (/sessions/<id>/…, or <rollout>:<attempt> for "
+    "/rollout/<rollout>/attempt/<attempt>/…) must be 1 to 128 characters of A-Z a-z 0-9 . _ : -"
 )
 PER_EPISODE_KEY_MESSAGE = (
     "this is a per-episode session key (from /rl/start_session): its episode is the key's, so "
@@ -109,6 +113,16 @@ def path_session_id(raw: str) -> str:
     return raw
 
 
+def session_of(match_info: Mapping[str, str]) -> str:
+    """The session a scoped path names: `/sessions/<id>`, or `<rollout>:<attempt>` for
+    `/rollout/<rollout>/attempt/<attempt>` (each part, and the whole, checked as an id)."""
+    if "session_id" in match_info:
+        return path_session_id(match_info["session_id"])
+    rollout = path_session_id(match_info["rollout_id"])
+    attempt = path_session_id(match_info["attempt_id"])
+    return path_session_id(f"{rollout}:{attempt}")
+
+
 def _conflict(path_id: str, other: str, where: str) -> InvalidRequest:
     return InvalidRequest(
         f"the URL path names session {path_id!r} but {where} says {bounded(other, 140)!r}: "
@@ -148,11 +162,12 @@ def scoped(handler: Handler, path: str) -> Handler:
     check_body = path in _BODY_SESSION_ID
 
     async def scoped_handler(request: web.Request) -> web.StreamResponse:
-        session_id = path_session_id(request.match_info["session_id"])
+        session_id = session_of(request.match_info)
+        # The key first: a revoked or unknown one is the 401 every route gives.
+        await _require_header_mode(request, admin_allowed=admin_allowed)
         header = request.headers.get(SESSION_ID_HEADER, "").strip()
         if header and header != session_id:
             raise _conflict(session_id, header, SESSION_ID_HEADER)
-        await _require_header_mode(request, admin_allowed=admin_allowed)
         headers = CIMultiDict(request.headers)
         headers[SESSION_ID_HEADER] = session_id
         # Cloned before the body is read: the handler reads it from the clone.
@@ -166,9 +181,12 @@ def scoped(handler: Handler, path: str) -> Handler:
 
 
 def mount(app: web.Application) -> None:
-    """Adds a `/sessions/{session_id}` twin of every registered route in SCOPED_PATHS."""
+    """Adds a `/sessions/{session_id}` twin (and an Agent Lightning
+    `/rollout/{rollout_id}/attempt/{attempt_id}` twin) of every registered route in SCOPED_PATHS."""
     app[KEY_MODES] = KeyModes()
     for route in list(app.router.routes()):
         path = route.resource.canonical if route.resource is not None else ""
         if path in SCOPED_PATHS and route.method != "HEAD":
-            app.router.add_route(route.method, SESSION_PREFIX + path, scoped(route.handler, path))
+            handler = scoped(route.handler, path)
+            for prefix in (SESSION_PREFIX, ATTEMPT_PREFIX):
+                app.router.add_route(route.method, prefix + path, handler)

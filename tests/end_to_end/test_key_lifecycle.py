@@ -171,16 +171,20 @@ async def test_a_revoked_key_is_refused_on_every_route_the_gateway_registers(
         for method, path in routes:
             if path in PUBLIC or path == "/ws":
                 continue
-            concrete = (
-                path.replace("{response_id}", "resp_" + uuid.uuid4().hex)
-                .replace("{session_id}", "s-1")
-                .replace("{stream_id}", "1-1")
-                .replace("{name}", "console.css")
-            )
+            concrete = path.replace("{response_id}", "resp_" + uuid.uuid4().hex)
+            for name, value in (
+                ("{session_id}", "s-1"),
+                ("{rollout_id}", "s"),
+                ("{attempt_id}", "1"),
+                ("{stream_id}", "1-1"),
+                ("{name}", "console.css"),
+            ):
+                concrete = concrete.replace(name, value)
             for gateway in (gw1, gw2):
                 for key, headers in ((session_key, {}), (header_key, sid)):
-                    # Valid for every POST route: chat (messages), Responses (input), reward.
-                    body = {**chat_body("after"), "input": "after", "reward": 1.0}
+                    # Valid for every POST route: chat (messages), Responses (input), reward,
+                    # Anthropic Messages (max_tokens).
+                    body = {**chat_body("after"), "input": "after", "reward": 1.0, "max_tokens": 8}
                     status, answer = await call(
                         http,
                         method,

@@ -393,12 +393,23 @@ def test_errors_take_anthropics_shape_and_type_by_status() -> None:
             "type": "error",
             "error": {"type": kind, "message": "what to do"},
         }
-    ((name, data),) = events([error_event(503, "busy")])
-    assert name == "error" and data["error"] == {"type": "overloaded_error", "message": "busy"}
+    assert error_body(400, "m", "invalid_session_id")["error"]["code"] == "invalid_session_id"
+    ((name, data),) = events([error_event(503, "busy", "episode_not_active")])
+    assert name == "error"
+    assert data["error"] == {
+        "type": "overloaded_error",
+        "message": "busy",
+        "code": "episode_not_active",
+    }
 
 
 def test_which_paths_answer_in_anthropics_shape() -> None:
-    for path in ("/v1/messages", "/v1/messages/count_tokens", "/sessions/s-1/v1/messages"):
+    for path in (
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/sessions/s-1/v1/messages",
+        "/rollout/ro-1/attempt/at-1/v1/messages",
+    ):
         assert is_messages_path(path), path
     for path in ("/v1/chat/completions", "/v1/messagesx", "/messages", "/sessions/s/v1/models"):
         assert not is_messages_path(path), path

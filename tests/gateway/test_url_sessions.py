@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from services.gateway.app import build_app
-from services.gateway.url_sessions import SCOPED_PATHS, SESSION_PREFIX
+from services.gateway.url_sessions import ATTEMPT_PREFIX, SCOPED_PATHS, SESSION_PREFIX
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings
 from tests.gateway.test_header_mode import issue, trajectories
 from tests.gateway.test_lifecycle import MODEL, Chain, ChainFactory, chain
@@ -194,10 +194,11 @@ def test_every_session_key_route_has_a_twin_under_the_session_prefix() -> None:
         if route.resource is not None
     }
     plain = {(method, path) for method, path in routes if path in SCOPED_PATHS}
-    assert {path for _, path in plain} == SCOPED_PATHS - {"/v1/messages"}
-    prefix = SESSION_PREFIX.replace(":[^{}/]*", "")
-    for method, path in plain:
-        assert (method, prefix + path) in routes
+    assert {path for _, path in plain} == SCOPED_PATHS
+    for prefix in (SESSION_PREFIX, ATTEMPT_PREFIX):
+        canonical = prefix.replace(":[^{}/]*", "")
+        for method, path in plain:
+            assert (method, canonical + path) in routes
 
 
 async def test_a_revoked_key_on_a_session_path_is_401_key_revoked_whatever_its_mode(
@@ -216,3 +217,27 @@ async def test_a_revoked_key_on_a_session_path_is_401_key_revoked_whatever_its_m
             assert status == 200
             status, error = await call(c, "POST", path, key, chat_body("x"))
             assert status == 401 and error["error"]["code"] == "key_revoked", error
+
+
+async def test_an_agent_lightning_attempt_path_names_the_episode_rollout_colon_attempt(
+    chain: ChainFactory,
+) -> None:
+    async with chain() as c:
+        key = (await issue(c))["api_key"]
+        base = f"{c.url}/rollout/ro-7f3a/attempt/at-0001/v1"
+        sdk = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        answer = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "attempt one"}]
+        )
+        path = "/rollout/ro-7f3a/attempt/at-0001/rl/end_session"
+        status, ended = await call(c, "POST", path, key, {})
+        assert status == 200 and ended["session_id"] == "ro-7f3a:at-0001", ended
+        (trajectory,) = await trajectories(c)
+        assert trajectory["session_id"] == "ro-7f3a:at-0001"
+        assert [i["interaction_id"] for i in trajectory["interactions"]] == [answer.id]
+        bad = "/rollout/ro 1/attempt/at-1/v1/chat/completions"
+        status, error = await call(c, "POST", bad, key, chat_body("x"))
+        assert status == 400 and error["error"]["code"] == "invalid_session_id"
+        long_ids = f"/rollout/{'r' * 64}/attempt/{'a' * 64}/v1/chat/completions"
+        status, error = await call(c, "POST", long_ids, key, chat_body("x"))
+        assert status == 400 and error["error"]["code"] == "invalid_session_id"
