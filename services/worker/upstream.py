@@ -276,11 +276,13 @@ def error_for_status(
             code="upstream_auth_failed",
         )
     if status == 404:
+        # The URL is the operator's to see (the worker's log), not the client's.
+        log.warning("upstream_not_found", url=url, message=message)
         return UpstreamError(
-            f"the upstream answered 404 for POST {url} ({message}): either the model id is "
-            "not served there (compare it with the upstream's GET …/models) or the base URL "
-            "is wrong: compare the URL called with the base URL the provider documents "
-            "(a bare host gets /v1 appended; a base URL with a path is used exactly as given)",
+            f"the upstream answered 404 ({message}): either the model id is not served there "
+            "(compare it with the upstream's GET …/models) or the worker's base URL is wrong: "
+            "the worker's log names the URL called; compare it with the base URL the provider "
+            "documents (a bare host gets /v1 appended; a base URL with a path is used exactly as given)",
             code="upstream_not_found",
         )
     if status == 429:
@@ -363,21 +365,22 @@ class UpstreamClient:
                     url, data=body, headers={"Content-Type": "application/json"}
                 )
         except TimeoutError:
-            raise UpstreamTimeout(f"the upstream at {url} did not answer in time") from None
+            log.warning("upstream_timeout", url=url)
+            raise UpstreamTimeout("the upstream did not answer in time") from None
         except aiohttp.ClientConnectorError as err:
-            if isinstance(err.os_error, ConnectionRefusedError):
-                raise Unavailable(
-                    f"the upstream at {url} refused the connection",
-                    code="upstream_unavailable",
-                    retry_after_s=1.0,
-                ) from None
+            # Addresses and OS errors go to the worker's log; the client hears the cause.
+            log.warning("upstream_unreachable", url=url, error=str(err.os_error))
+            refused = isinstance(err.os_error, ConnectionRefusedError)
             raise Unavailable(
-                f"the upstream at {url} could not be reached ({err.os_error})",
+                "the upstream refused the connection; retry shortly"
+                if refused
+                else "the upstream could not be reached; retry shortly",
                 code="upstream_unavailable",
                 retry_after_s=1.0,
             ) from None
         except aiohttp.ClientError as err:
-            raise UpstreamError(f"the upstream call failed: {type(err).__name__}: {err}") from None
+            log.warning("upstream_call_failed", url=url, error=type(err).__name__, detail=str(err))
+            raise UpstreamError("the upstream call failed; see the worker's log") from None
         try:
             if response.status != 200:
                 error_body = await self._read_error_body(response, deadline=deadline)
@@ -435,7 +438,8 @@ def _mid_response_errors() -> Iterator[None]:
     except TimeoutError:
         raise UpstreamTimeout("the upstream did not finish its answer in time") from None
     except aiohttp.ClientError as err:
+        log.warning("upstream_broken_stream", error=type(err).__name__, detail=str(err))
         raise UpstreamError(
-            f"the upstream broke off its answer mid-response ({type(err).__name__}: {err})",
+            "the upstream broke off its answer mid-response",
             code="upstream_broken_stream",
         ) from None

@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 import pytest
+import structlog
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from services.runtime.errors import InvalidRequest, TooManyRequests, UpstreamError
@@ -405,7 +406,7 @@ def test_error_mapping() -> None:
     assert isinstance(auth, UpstreamError) and "ROLLGATE_UPSTREAM_API_KEY" in auth.message
     assert isinstance(error_for_status(403, b"", headers(), url=url), UpstreamError)
     missing = error_for_status(404, body, headers(), url=url)
-    assert isinstance(missing, UpstreamError) and url in missing.message
+    assert isinstance(missing, UpstreamError) and url not in missing.message
     limited = error_for_status(429, body, headers(**{"Retry-After": "7"}), url=url)
     assert isinstance(limited, TooManyRequests) and limited.retry_after_s == 7.0
     bad = error_for_status(400, body, headers(), url=url)
@@ -413,12 +414,15 @@ def test_error_mapping() -> None:
     assert isinstance(error_for_status(503, b"<html>", headers(), url=url), UpstreamError)
 
 
-def test_a_404_names_the_url_called_and_points_at_the_documented_base_url_and_model() -> None:
+def test_a_404_logs_the_url_called_and_points_at_the_documented_base_url_and_model() -> None:
     url = "https://open.bigmodel.cn/api/paas/v4/chat/completions"
     body = orjson.dumps({"error": {"message": "model glm-x not found"}})
-    error = error_for_status(404, body, headers(), url=url)
+    with structlog.testing.capture_logs() as logged:
+        error = error_for_status(404, body, headers(), url=url)
     assert isinstance(error, UpstreamError) and error.code == "upstream_not_found"
-    assert f"POST {url}" in error.message
+    # The URL is for the operator (the worker's log), never for the client.
+    assert url not in error.message and "the worker's log names the URL" in error.message
+    assert [e["url"] for e in logged if e["event"] == "upstream_not_found"] == [url]
     assert "model glm-x not found" in error.message
     assert "base URL the provider documents" in error.message
     assert "model id" in error.message
