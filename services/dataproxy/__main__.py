@@ -42,7 +42,7 @@ from services.runtime.metrics import (
     ServiceMetrics,
 )
 from services.runtime.redis_conn import open_redis
-from services.runtime.service_main import service_main
+from services.runtime.service_main import StartupError, service_main
 from services.runtime.tasks import cancel_and_wait
 
 SERVICE_NAMES = (
@@ -120,7 +120,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             async with asyncio.timeout(REDIS_PING_TIMEOUT_S):
                 await redis.ping()
         except Exception as err:
-            raise RuntimeError(
+            raise StartupError(
                 f"the dataproxy cannot reach Redis ({type(err).__name__}: {err}); "
                 "check ROLLGATE_REDIS_URL"
             ) from err

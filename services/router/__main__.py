@@ -19,13 +19,9 @@ from services.runtime.metrics import (
     ServiceMetrics,
 )
 from services.runtime.redis_conn import open_redis
-from services.runtime.service_main import service_main
+from services.runtime.service_main import StartupError, service_main
 
 SERVICE_NAME = "rollgate.v1.Router"
-
-
-class StartupError(Exception):
-    """The router cannot start; the message says what to fix."""
 
 
 @contextlib.asynccontextmanager
@@ -78,7 +74,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings_from_env=RouterSettings.from_env,
         serving=serving,
         argv=argv,
-        startup_errors=(StartupError, OSError),
     )
 
 

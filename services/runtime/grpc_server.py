@@ -194,9 +194,16 @@ class GrpcServer:
         self._drains.append(drain)
 
     async def __aenter__(self) -> GrpcServer:
-        self.port = self.server.add_insecure_port(f"{self.spec.host}:{self.spec.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{self.spec.host}:{self.spec.port}")
+        except RuntimeError:
+            # grpcio raises RuntimeError ("Failed to bind") where older versions returned 0.
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{self.spec.name}: cannot bind {self.spec.host}:{self.spec.port}")
+            raise OSError(
+                f"{self.spec.name}: cannot listen on {self.spec.host}:{self.spec.port} (in use, "
+                "or not an address of this host): choose another --port or --host"
+            )
         await self.server.start()
         return self
 

@@ -4,6 +4,7 @@ serve until SIGTERM/SIGINT, and turn start-up failures into one clear line."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +41,7 @@ def service_main(
     serving: Callable[[S], AbstractAsyncContextManager[Any]],
     argv: Sequence[str] | None = None,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-    startup_errors: tuple[type[Exception], ...] = (OSError,),
+    startup_errors: tuple[type[Exception], ...] = (),
 ) -> None:
     """Runs `service` (`python -m services.<service> [--host H] [--port P] [--config F] …`)."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=description)
@@ -73,16 +74,43 @@ def service_main(
         secrets=secrets_in(settings),
     )
 
+    started = False
+
     async def serve() -> None:
+        nonlocal started
         async with serving(settings):
+            started = True
             await wait_for_stop_signal()
             log.info("stop_signal_received")
 
     try:
         run(serve)
-    except startup_errors as err:
-        log.error("startup_failed", error=str(err))
+    except Exception as err:
+        if started:
+            log.exception("service_failed")
+            sys.exit(1)
+        # Start-up failures are one line saying what to fix; a traceback only at debug level.
+        log.debug("startup_traceback", exc_info=err)
+        log.error("startup_failed", error=startup_message(err, known=startup_errors))
         sys.exit(1)
+
+
+class StartupError(Exception):
+    """A service cannot start; the message says what to fix."""
+
+
+def startup_message(err: BaseException, *, known: tuple[type[Exception], ...] = ()) -> str:
+    """One line describing a start-up failure and what to do about it."""
+    if isinstance(err, (StartupError, ValueError, *known)):
+        # Configuration checks and start-up probes raise these with the fix in the message.
+        text = str(err)
+    elif isinstance(err, OSError) and err.errno == errno.EADDRINUSE:
+        text = f"{err}: choose another --port (or --host), or stop the process using it"
+    elif isinstance(err, OSError):
+        text = str(err)
+    else:
+        text = f"{type(err).__name__}: {err} (set ROLLGATE_LOG_LEVEL=debug for the traceback)"
+    return " ".join(text.split())
 
 
 def _environ(
