@@ -19,6 +19,7 @@ from services.gateway import (
     ws,
 )
 from services.gateway.backends import ROUTE_CACHE, SETTINGS, backends_ctx
+from services.gateway.edge import EdgeLimits, GatewayRunner
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
@@ -72,10 +73,14 @@ class GatewayServer:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.metrics = ServiceMetrics("gateway")
-        # handler_cancellation: a client that disconnects cancels its handler, and so its RPC.
-        self.runner = web.AppRunner(
-            build_app(settings, self.metrics), access_log=None, handler_cancellation=True
+        limits = EdgeLimits(
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            keepalive_timeout_s=settings.keepalive_timeout_s,
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
         )
+        self.runner = GatewayRunner(build_app(settings, self.metrics), limits=limits)
         self.metrics_server = MetricsServer(self.metrics, settings.metrics)
         self.port = 0
 

@@ -8,15 +8,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from services.gateway.auth import require_session_key
 from services.gateway.backends import RELAY, SETTINGS
 from services.gateway.header_mode import TurnTags, body_tags, turn_tags
 from services.gateway.http_errors import JSON_CONTENT_TYPE, sse_error_event
+from services.gateway.json_body import load_json
 from services.gateway.relay import Chunks, Done, TurnSpec, split_body
-from services.runtime.errors import InvalidRequest, RollgateError
+from services.runtime.errors import InvalidRequest, RollgateError, check_identifier
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
 
@@ -49,10 +49,7 @@ def parse_chat_body(raw: bytes) -> ChatCall:
         raise InvalidRequest(
             "the request body is empty: send a JSON object with model and messages"
         )
-    try:
-        body: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError as err:
-        raise InvalidRequest(f"the request body is not valid JSON: {err}") from None
+    body: Any = load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     messages = body.get("messages")
@@ -64,6 +61,7 @@ def parse_chat_body(raw: bytes) -> ChatCall:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("`model` is required and must be a non-empty string")
+    check_identifier(model, "`model`")
     stream = body.get("stream")
     if stream is None:
         stream = False

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.runtime.errors import InvalidRequest
+from services.runtime.errors import InvalidRequest, bounded, check_identifier
 
 SESSION_ID_HEADER = "X-Session-Id"
 TURN_TYPE_HEADER = "X-Turn-Type"
@@ -47,14 +47,22 @@ def body_tags(body: Mapping[str, Any]) -> TurnTags:
     )
 
 
+def session_id_header(headers: Mapping[str, str]) -> str:
+    """The X-Session-Id header (stripped, "" when absent), within the identifier limit."""
+    return check_identifier(headers.get(SESSION_ID_HEADER, "").strip(), SESSION_ID_HEADER)
+
+
 def turn_tags(headers: Mapping[str, str], body: TurnTags) -> TurnTags:
     """The headers merged over the body's keys, as OpenClaw-RL reads them; validated."""
-    session_id = headers.get(SESSION_ID_HEADER, "").strip() or body.session_id.strip()
+    session_id = session_id_header(headers) or check_identifier(
+        body.session_id.strip(), "`session_id`"
+    )
     raw_type = headers.get(TURN_TYPE_HEADER, "").strip() or body.turn_type.strip()
     turn_type = raw_type.lower() or "main"
     if turn_type not in TURN_TYPES:
         raise InvalidRequest(
-            f"X-Turn-Type must be main or side, not {raw_type!r}", code="invalid_turn_type"
+            f"X-Turn-Type must be main or side, not {bounded(raw_type, 40)!r}",
+            code="invalid_turn_type",
         )
     done = _truthy(headers.get(SESSION_DONE_HEADER)) or body.session_done
     return TurnTags(session_id=session_id, turn_type=turn_type, session_done=done)

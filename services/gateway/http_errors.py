@@ -9,7 +9,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from services.runtime.errors import InternalError, RollgateError
+from services.runtime.errors import InternalError, InvalidRequest, RollgateError
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -57,7 +57,8 @@ def method_not_allowed_message(method: str, path: str, allowed: set[str] | froze
     return f"{path} does not accept {method}; use {' or '.join(methods)}"
 
 
-def _http_exception_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+def http_exception_response(request: web.BaseRequest, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own HTTP errors (no route, wrong method, body too large) in the JSON shape."""
     error_type, code = _HTTP_EXCEPTION_SHAPES.get(
         exc.status, ("invalid_request_error", "http_error")
     )
@@ -94,7 +95,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _http_exception_response(request, exc)
+        return http_exception_response(request, exc)
+    except web.RequestPayloadError:
+        # The body could not be read: a Content-Encoding it does not have, broken chunks.
+        return error_response(
+            InvalidRequest(
+                "the request body could not be decoded: if it is sent with Content-Encoding, it "
+                "must be compressed that way; chunked bodies must be well-formed",
+                code="invalid_body_encoding",
+            )
+        )
     except Exception:
         log.exception("unhandled_error", path=request.path, method=request.method)
         return error_response(InternalError("internal error; see the gateway logs"))

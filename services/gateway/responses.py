@@ -37,7 +37,7 @@ from services.gateway.responses_translate import (
     status_of,
     usage,
 )
-from services.runtime.errors import NotFound, RollgateError
+from services.runtime.errors import NotFound, RollgateError, check_identifier
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
 
@@ -323,7 +323,7 @@ async def get_response(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}: a stored response of this key."""
     settings = request.app[SETTINGS]
     digest = key_digest(require_session_key(request.headers, settings.admin_key))
-    response_id = request.match_info["response_id"]
+    response_id = check_identifier(request.match_info["response_id"], "the response id")
     try:
         raw, _ = await request.app[CONVERSATIONS].get_response(
             digest, response_id, include_chain=False

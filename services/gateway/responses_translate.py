@@ -7,9 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from services.runtime.errors import InvalidRequest
+from services.gateway.json_body import load_json
+from services.runtime.errors import InvalidRequest, check_identifier
 
 # Sampling fields that mean the same in both APIs and pass through unchanged.
 _PASS_THROUGH = (
@@ -90,15 +89,13 @@ def normalize_item(item: Any, index: int) -> dict[str, Any]:
 
 def parse_request(raw: bytes) -> ResponsesCall:
     """Validates a Responses body; InvalidRequest says what is wrong."""
-    try:
-        body: Any = orjson.loads(raw) if raw.strip() else None
-    except orjson.JSONDecodeError as err:
-        raise InvalidRequest(f"the request body is not valid JSON: {err}") from None
+    body: Any = load_json(raw) if raw.strip() else None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object with model and input")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("`model` is required and must be a non-empty string")
+    check_identifier(model, "`model`")
     raw_input = body.get("input")
     if isinstance(raw_input, str):
         items = [{"type": "message", "role": "user", "content": raw_input}]
@@ -112,6 +109,7 @@ def parse_request(raw: bytes) -> ResponsesCall:
     previous = body.get("previous_response_id") or ""
     if not isinstance(previous, str):
         raise InvalidRequest("`previous_response_id` must be a string")
+    check_identifier(previous, "`previous_response_id`")
     for flag in ("store", "stream"):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise InvalidRequest(f"`{flag}` must be true or false")

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import orjson
 from aiohttp import web
 
 from protos import dataproxy_pb2
 from services.gateway.auth import require_session_key
 from services.gateway.backends import BACKENDS, SETTINGS
-from services.gateway.header_mode import SESSION_ID_HEADER
+from services.gateway.header_mode import session_id_header
 from services.gateway.http_errors import json_response
+from services.gateway.json_body import load_json
 from services.gateway.key_admin import issue_access_key, require_admin, revoke_key
-from services.runtime.errors import InvalidRequest, from_rpc_error
+from services.runtime.errors import InvalidRequest, check_identifier, from_rpc_error
 from services.runtime.keys import key_digest, looks_like_session_key
 from services.runtime.secret import Secret
 
@@ -48,10 +48,7 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; an empty body counts as `{}`."""
     if not raw.strip():
         return {}
-    try:
-        body: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError as err:
-        raise InvalidRequest(f"the request body is not valid JSON: {err}") from None
+    body: Any = load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
@@ -63,7 +60,8 @@ def _optional_str(body: dict[str, Any], name: str) -> str:
         return ""
     if not isinstance(value, str):
         raise InvalidRequest(f"`{name}` must be a string")
-    return value
+    # Every string these bodies carry is an identifier (ids, names, keys).
+    return check_identifier(value, f"`{name}`")
 
 
 def _group_size(body: dict[str, Any]) -> int:
@@ -117,10 +115,11 @@ def parse_set_reward(raw: bytes) -> SetRewardCall:
     """`{reward, interaction_id?, session_id?}` with a finite numeric reward."""
     try:
         body = _json_object(raw)
-    except InvalidRequest:
+    except InvalidRequest as err:
         # orjson refuses NaN, Infinity and 1e999 outright; name the real problem if that is it.
-        with contextlib.suppress(ValueError):
-            json.loads(raw, parse_constant=_non_finite, parse_float=_finite_float)
+        if err.code == "invalid_json":
+            with contextlib.suppress(ValueError, RecursionError):
+                json.loads(raw, parse_constant=_non_finite, parse_float=_finite_float)
         raise
     reward = body.get("reward")
     if not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward):
@@ -164,7 +163,7 @@ async def set_reward(request: web.Request) -> web.Response:
         key_digest=key_digest(key),
         reward=call.reward,
         interaction_id=call.interaction_id,
-        session_id=call.session_id or request.headers.get(SESSION_ID_HEADER, "").strip(),
+        session_id=call.session_id or session_id_header(request.headers),
     )
     try:
         response = await request.app[BACKENDS].dataproxy.SetReward(
@@ -180,7 +179,7 @@ async def end_session(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     key = require_session_key(request.headers, settings.admin_key)
     body = _json_object(await request.read())
-    session_id = _optional_str(body, "session_id") or request.headers.get(SESSION_ID_HEADER, "")
+    session_id = _optional_str(body, "session_id") or session_id_header(request.headers)
     rpc_request = dataproxy_pb2.EndSessionRequest(
         key_digest=key_digest(key), session_id=session_id.strip()
     )

@@ -60,6 +60,16 @@ class GatewaySettings:
     ws_max_payload_bytes: int = 25 * 1024 * 1024
     ws_max_buffered_bytes: int = 50 * 1024 * 1024
     ws_run_timeout_s: float = 600.0
+    # The HTTP/1.1 edge (docs/deploy.md): a request head (request line and headers) must
+    # arrive within header_timeout_s of its first byte; an idle keep-alive connection is
+    # closed after keepalive_timeout_s; a header line (and the request line) may be at most
+    # max_header_bytes long, and a request may carry at most max_headers headers.
+    header_timeout_s: float = 10.0
+    # The whole body must arrive within this long of the head.
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    max_header_bytes: int = 8190
+    max_headers: int = 128
 
     @classmethod
     def from_env(
@@ -101,6 +111,7 @@ class GatewaySettings:
             if raw_json in ("", "auto")
             else env_bool(environ, "ROLLGATE_LOG_JSON", False),
             **_ws_settings(environ),
+            **_edge_settings(environ),
         )
 
 
@@ -126,3 +137,18 @@ def _positive(environ: Mapping[str, str], name: str, default: float) -> float:
     if value <= 0:
         raise ValueError(f"{name}={value} must be positive")
     return value
+
+
+def _edge_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The HTTP/1.1 edge's limits; each must be positive."""
+    numbers: dict[str, Any] = {
+        "header_timeout_s": env_float(environ, "ROLLGATE_HEADER_TIMEOUT_S", 10.0),
+        "body_timeout_s": env_float(environ, "ROLLGATE_BODY_TIMEOUT_S", 60.0),
+        "keepalive_timeout_s": env_float(environ, "ROLLGATE_KEEPALIVE_TIMEOUT_S", 75.0),
+        "max_header_bytes": env_int(environ, "ROLLGATE_MAX_HEADER_BYTES", 8190),
+        "max_headers": env_int(environ, "ROLLGATE_MAX_HEADERS", 128),
+    }
+    for name, value in numbers.items():
+        if value <= 0:
+            raise ValueError(f"ROLLGATE_{name.upper()}={value} must be positive")
+    return numbers

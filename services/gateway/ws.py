@@ -53,6 +53,7 @@ from services.runtime.errors import (
     RollgateError,
     Unauthenticated,
     Unavailable,
+    check_identifier,
     from_rpc_error,
 )
 from services.runtime.keys import key_digest, looks_like_session_key
@@ -439,7 +440,7 @@ class Connection:
     async def _chat_send(self, req: Request) -> None:
         conversation = session_key(_required_str(req.params, "sessionKey"))
         text = _required_str(req.params, "message")
-        run_id = _required_str(req.params, "idempotencyKey")
+        run_id = _required_id(req.params, "idempotencyKey")
         self._remember(conversation)
         if text.strip() == "/stop":
             aborted = await self.runs.abort(self.digest, conversation)
@@ -464,7 +465,7 @@ class Connection:
 
     async def _agent(self, req: Request) -> None:
         text = _required_str(req.params, "message")
-        run_id = _required_str(req.params, "idempotencyKey")
+        run_id = _required_id(req.params, "idempotencyKey")
         agent_id = str(req.params.get("agentId") or "main")
         conversation = session_key(req.params.get("sessionKey"), agent_id=agent_id)
         self._remember(conversation)
@@ -527,7 +528,7 @@ class Connection:
         await self._send(ok(frame_id, payload))
 
     async def _agent_wait(self, req: Request) -> None:
-        run_id = _required_str(req.params, "runId")
+        run_id = _required_id(req.params, "runId")
         timeout_ms = req.params.get("timeoutMs")
         timeout_s = timeout_ms / 1000 if isinstance(timeout_ms, int) and timeout_ms > 0 else 30.0
         done = self.runs.known_run(self.digest, run_id)
@@ -586,6 +587,10 @@ class Connection:
             "defaults": {"modelProvider": "rollgate", "model": self.config.model or None},
         }
         await self._send(ok(req.id, payload))
+
+
+def _required_id(params: dict[str, Any], name: str) -> str:
+    return check_identifier(_required_str(params, name), f"`{name}`")
 
 
 def _required_str(params: dict[str, Any], name: str) -> str:

@@ -9,7 +9,13 @@ from typing import Any
 
 import orjson
 
-from services.runtime.errors import RollgateError
+from services.gateway.json_body import load_json
+from services.runtime.errors import (
+    MAX_IDENTIFIER_CHARS,
+    InvalidRequest,
+    RollgateError,
+    check_identifier,
+)
 
 PROTOCOL_VERSIONS = (3, 4)
 SERVER_VERSION = "rollgate"
@@ -107,9 +113,9 @@ def now_ms() -> int:
 def parse_request(text: str) -> Request:
     """A request frame, or FrameError saying what is wrong."""
     try:
-        frame: Any = orjson.loads(text)
-    except orjson.JSONDecodeError as err:
-        raise FrameError(f"malformed frame: not JSON ({err})") from None
+        frame: Any = load_json(text, what="the frame")
+    except InvalidRequest as err:
+        raise FrameError(f"malformed frame: {err.message}") from None
     if not isinstance(frame, dict):
         raise FrameError("malformed frame: not a JSON object")
     raw_id = frame.get("id")
@@ -210,8 +216,8 @@ def hello_ok(
 def session_key(raw: Any, *, agent_id: str = "main") -> str:
     """The canonical OpenClaw session key: `main` → `agent:main:main`, `x` → `agent:main:x`."""
     if not isinstance(raw, str) or not raw.strip():
-        return f"agent:{agent_id}:main"
-    key = raw.strip()
+        return f"agent:{agent_id[:MAX_IDENTIFIER_CHARS]}:main"
+    key = check_identifier(raw.strip(), "`sessionKey`")
     return key if key.startswith("agent:") else f"agent:{agent_id}:{key}"
 
 

@@ -71,6 +71,12 @@ class GatewayConfig:
     port: int = 8080
     max_body_bytes: int | None = None
     request_timeout_s: float | None = None
+    # The HTTP edge's limits (docs/deploy.md).
+    header_timeout_s: float | None = None
+    body_timeout_s: float | None = None
+    keepalive_timeout_s: float | None = None
+    max_header_bytes: int | None = None
+    max_headers: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -437,6 +443,11 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
             port=gateway.integer("port", minimum=0) or 8080,
             max_body_bytes=gateway.integer("max_body_bytes"),
             request_timeout_s=gateway.number("request_timeout_s"),
+            header_timeout_s=gateway.number("header_timeout_s"),
+            body_timeout_s=gateway.number("body_timeout_s"),
+            keepalive_timeout_s=gateway.number("keepalive_timeout_s"),
+            max_header_bytes=gateway.integer("max_header_bytes"),
+            max_headers=gateway.integer("max_headers"),
         ),
         router=RouterConfig(
             address=router.string("address", "127.0.0.1:50051"),
@@ -752,6 +763,11 @@ def settings_env(
         _put(env, "ROLLGATE_DATAPROXY_ADDR", config.dataproxy.address)
         _put(env, "ROLLGATE_MAX_BODY_BYTES", config.gateway.max_body_bytes)
         _put(env, "ROLLGATE_REQUEST_TIMEOUT_S", config.gateway.request_timeout_s)
+        _put(env, "ROLLGATE_HEADER_TIMEOUT_S", config.gateway.header_timeout_s)
+        _put(env, "ROLLGATE_BODY_TIMEOUT_S", config.gateway.body_timeout_s)
+        _put(env, "ROLLGATE_KEEPALIVE_TIMEOUT_S", config.gateway.keepalive_timeout_s)
+        _put(env, "ROLLGATE_MAX_HEADER_BYTES", config.gateway.max_header_bytes)
+        _put(env, "ROLLGATE_MAX_HEADERS", config.gateway.max_headers)
         # start_session waits as long as the dataproxy's refresh does (plus a margin).
         _put(env, "ROLLGATE_REFRESH_TIMEOUT_S", config.dataproxy.refresh_timeout_s)
     elif service == "router":

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.gateway.settings import GatewaySettings
 from services.runtime.config import ConfigError, load_config, normalize_base_url, settings_env
 from services.worker.settings import WorkerSettings
 
@@ -266,3 +267,22 @@ def test_credentials_in_a_base_url_are_refused_without_echoing_them() -> None:
         normalize_base_url("https://user:hunter2@api.example.com/v1")
     assert "hunter2" not in str(caught.value)
     assert "api_key" in str(caught.value)
+
+
+def test_the_gateway_edge_limits_come_from_the_gateway_section() -> None:
+    overrides = [
+        "gateway.header_timeout_s=3",
+        "gateway.body_timeout_s=20",
+        "gateway.keepalive_timeout_s=30",
+        "gateway.max_header_bytes=16384",
+        "gateway.max_headers=64",
+    ]
+    env = settings_env(load_config(text=CONFIG, environ=ENV, overrides=overrides), "gateway")
+    assert env["ROLLGATE_HEADER_TIMEOUT_S"] == "3.0"
+    assert env["ROLLGATE_BODY_TIMEOUT_S"] == "20.0"
+    assert env["ROLLGATE_KEEPALIVE_TIMEOUT_S"] == "30.0"
+    assert (env["ROLLGATE_MAX_HEADER_BYTES"], env["ROLLGATE_MAX_HEADERS"]) == ("16384", "64")
+    settings = GatewaySettings.from_env(env | {"ROLLGATE_ADMIN_KEY": "k"})
+    assert (settings.header_timeout_s, settings.keepalive_timeout_s) == (3.0, 30.0)
+    assert settings.body_timeout_s == 20.0
+    assert (settings.max_header_bytes, settings.max_headers) == (16384, 64)

@@ -1,0 +1,48 @@
+"""The one JSON reader for what clients send (HTTP bodies, WebSocket frames)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from services.runtime.errors import InvalidRequest
+
+# Deeper JSON is refused: the hops re-encode bodies with orjson, whose limit is 254 levels,
+# and wrap them a few levels deeper on the way (messages, interactions, trajectories).
+MAX_JSON_DEPTH = 128
+# orjson.dumps refuses values nested deeper than this; nesting a value inside
+# (_ORJSON_DUMPS_DEPTH - MAX_JSON_DEPTH) lists makes it refuse exactly what is too deep.
+_ORJSON_DUMPS_DEPTH = 254
+
+
+def load_json(raw: bytes | str, *, what: str = "the request body") -> Any:
+    """`raw` parsed; InvalidRequest saying what is wrong (never echoing the input)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        if "depth limit" in str(err):
+            raise _too_deep(what) from None
+        raise InvalidRequest(f"{what} is not valid JSON: {err}", code="invalid_json") from None
+    # Counting brackets is cheap and bounds the depth; only bodies that could be too deep pay
+    # for the exact check (one orjson encoding).
+    brackets = (
+        raw.count(b"[") + raw.count(b"{")
+        if isinstance(raw, bytes)
+        else raw.count("[") + raw.count("{")
+    )
+    if brackets > MAX_JSON_DEPTH:
+        probe: Any = value
+        for _ in range(_ORJSON_DUMPS_DEPTH - MAX_JSON_DEPTH):
+            probe = [probe]
+        try:
+            orjson.dumps(probe)
+        except orjson.JSONEncodeError:
+            raise _too_deep(what) from None
+    return value
+
+
+def _too_deep(what: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what} is nested more than {MAX_JSON_DEPTH} levels deep", code="json_too_deep"
+    )
