@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollgate.redis_server import RedisServer
+from tests.harness.secret_scan import ISSUED, scan
 
 # Service processes the tests start bind their metrics port anywhere free: the per-service
 # defaults (9051, 9052, …) would collide between test runs sharing a machine. Tests that need
@@ -48,3 +49,13 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 def key_prefix() -> str:
     """A unique Redis key prefix per test, so tests never see each other's data."""
     return f"rgtest:{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_key_in_any_log() -> Iterator[None]:
+    """After the run: no key a test issued (nor any session key) in any real process's log."""
+    yield
+    lines, leaks = scan(ISSUED)
+    assert not leaks, f"secrets in {len(leaks)} of {lines} log lines: " + "; ".join(
+        f"{leak.path.name}:{leak.line_number} has {leak.what}" for leak in leaks[:20]
+    )

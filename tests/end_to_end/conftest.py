@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,9 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         Path(tmp_path_factory.mktemp("stack")),
         prefix="rge2e",
         mock_token_interval_ms=5.0,
-        extra_env=log_level_env(),
+        # Keys of every kind, so the end-of-run secret scan sees each held by a real process.
+        upstream_api_key="sk-upstream-e2e-" + uuid.uuid4().hex,
+        extra_env=log_level_env() | {"ROLLGATE_TRAINER_KEY": "rg-trainer-e2e-" + uuid.uuid4().hex},
     )
     with Stack(config) as running:
         yield running

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from rollgate.redis_server import free_port
+from tests.harness.secret_scan import ISSUED
 
 ROLLGATE = str(Path(sys.executable).parent / "rollgate")
 
@@ -83,6 +84,9 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
             line.split(":", 1)[1].split()[0] for line in banner.splitlines() if "admin key" in line
         )
         assert admin_key.startswith("rg-admin-")
+        # Printed on the terminal by design; never in a log file (scanned at the end).
+        ISSUED.add(admin_key)
+        ISSUED.watch(tmp_path / "logs")
         state = json.loads((tmp_path / "stack.json").read_text())
         assert state["gateway_url"] == f"http://127.0.0.1:{port}"
         request = urllib.request.Request(
@@ -202,6 +206,8 @@ def test_rollgate_up_restarts_a_killed_worker_and_a_killed_embedded_redis(
     }
     env["ROLLGATE_REDIS_PREFIX"] = prefix
     admin_key = "rg-admin-supervised-" + os.urandom(8).hex()
+    ISSUED.add(admin_key)
+    ISSUED.watch(tmp_path / "logs")
     stale = {"gateway_url": "http://stale.invalid", "pid": 1}
     (tmp_path / "stack.json").write_text(json.dumps(stale))
     proc = subprocess.Popen(

@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from services.dataproxy.settings import DataProxySettings
 from services.gateway.settings import GatewaySettings
 from services.runtime.secret import Secret, matches_any, scrub, secrets_in
 from services.worker.settings import WorkerSettings
+from tests.harness.secret_scan import IssuedSecrets, scan
 
 ADMIN = "rg-admin-secret-value-0123456789"
 TRAINER = "trainer-secret-value-0123456789"
@@ -115,3 +117,21 @@ def test_no_log_line_carries_a_secret_tracebacks_included(json_logs: str) -> Non
         lines = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
         assert {line.get("service") for line in lines} == {"t"}
         assert all("locals" not in json.dumps(line) for line in lines)
+
+
+def test_the_log_scan_finds_registered_keys_and_any_session_key(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "gateway.log").write_text(f'{{"event": "ok"}}\n{{"key": "{ADMIN}"}}\nclean\n')
+    (logs / "worker.log").write_text(f"x {SESSION} y\nsk-sess-*** masked\n")
+    issued = IssuedSecrets()
+    issued.add(ADMIN, "")
+    issued.add_env({"ROLLGATE_TRAINER_KEY": TRAINER, "ROLLGATE_UPSTREAM_API_KEY_VAR": "NAME"})
+    issued.watch(logs)
+    lines, leaks = scan(issued)
+    assert lines == 5
+    assert sorted((leak.path.name, leak.line_number) for leak in leaks) == [
+        ("gateway.log", 2),
+        ("worker.log", 1),
+    ]
+    assert issued.values == {ADMIN, TRAINER}
