@@ -16,6 +16,7 @@ import asyncio
 import gzip
 import json
 import os
+import re
 import time
 import urllib.parse
 import uuid
@@ -41,7 +42,7 @@ from tests.harness.processes import log_level_env, stack_config
 pytestmark = pytest.mark.e2e
 
 MODEL = "rollgate-mock"
-SECONDS_PER_ROUTE = float(os.environ.get("ROLLGATE_FUZZ_SECONDS_PER_ROUTE", "10"))
+SECONDS_PER_ROUTE = float(os.environ.get("ROLLGATE_FUZZ_SECONDS_PER_ROUTE", "8"))
 EXAMPLES_PER_ROUTE = int(os.environ.get("ROLLGATE_FUZZ_EXAMPLES", "300"))
 # Even on a loaded machine, at least this many real cases must run per route.
 MIN_CASES = 25
@@ -267,8 +268,10 @@ AUTH_KINDS = ["none", "admin", "session", "admin-x-api-key", "session-x-api-key"
 def http_cases(draw: st.DrawFn, method: str, pattern: str) -> dict[str, Any]:
     """One request for a route: method, path, headers and body, each sometimes hostile."""
     path = pattern
-    for name in ("{response_id}", "{id}"):
-        path = path.replace(name, urllib.parse.quote(draw(identifiers), safe="") or "x")
+    # Each path variable ({response_id}, {session_id}, ...): a generated identifier.
+    for name in re.findall(r"\{[^}]*\}", pattern):
+        value = draw(st.from_regex(r"[A-Za-z0-9._:-]{1,40}", fullmatch=True) | identifiers)
+        path = path.replace(name, urllib.parse.quote(value, safe="") or "x", 1)
     if draw(st.booleans()):
         query = urllib.parse.urlencode({draw(st.text(max_size=5)): draw(st.text(max_size=10))})
         path += "?" + query
