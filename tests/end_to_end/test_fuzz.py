@@ -167,10 +167,21 @@ def dechunk(data: bytes) -> bytes:
 # -- what every answer must be ---------------------------------------------------------------
 
 
-def check_answer(status: int, headers: dict[str, str], body: bytes, what: str) -> None:
+# Routes that speak another protocol answer errors in its shape: the console's pages are for
+# a browser (an HTML page that says what went wrong); everything else, its JSON API included,
+# uses the OpenAI error shape.
+HTML_PAGES = ("/console", "/console/login", "/console/logout", "/console/trajectories")
+
+
+def check_answer(
+    status: int, headers: dict[str, str], body: bytes, what: str, *, pattern: str = ""
+) -> None:
     """The properties every gateway answer has."""
     assert status < 500 or upstream_caused(status, headers, body), (what, status, body[:300])
-    if status >= 400:
+    content_type = headers.get("content-type", "")
+    if status >= 400 and pattern in HTML_PAGES and content_type.startswith("text/html"):
+        assert b"<html" in body.lower() and len(body.strip()) > 0, (what, body[:300])
+    elif status >= 400:
         assert headers.get("content-type", "").startswith("application/json"), (what, headers)
         error = orjson.loads(body)["error"]
         assert isinstance(error["message"], str) and error["message"].strip(), (what, body)
@@ -366,7 +377,8 @@ def test_every_route_answers_hostile_requests_in_its_error_shape(
         )
         if case["method"] == "HEAD":
             return  # no body to check
-        check_answer(status, answer_headers, body, f"{route}: {case['method']} {case['path'][:80]}")
+        what = f"{route}: {case['method']} {case['path'][:80]}"
+        check_answer(status, answer_headers, body, what, pattern=pattern)
 
     fuzz()
     assert target.cases[route] >= MIN_CASES, f"{route}: only {target.cases[route]} cases ran"
