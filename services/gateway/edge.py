@@ -32,6 +32,7 @@ from services.gateway.http_errors import (
     error_response,
     http_exception_response,
 )
+from services.gateway.messages_translate import error_body, is_messages_path
 from services.runtime.errors import InternalError, InvalidRequest, RollgateError, UpstreamTimeout
 from services.runtime.logs import get_logger
 
@@ -283,21 +284,30 @@ def edge_handler(app_handler: _AppHandler) -> _AppHandler:
             return await app_handler(request)
         except RollgateError as err:
             log.info("request_refused", path=request.path, status=err.http_status, code=err.code)
-            return error_response(err)
+            return route_shaped(request, error_response(err))
         except web.HTTPException as exc:
             # Raised before the middlewares (an unknown Expect): same shape as theirs.
             if exc.status < 400:
                 raise
             if exc.status == 417:
-                return error_response(
-                    ExpectationFailed(
-                        "the only Expect value served is 100-continue; drop the header or "
-                        "send `Expect: 100-continue`"
-                    )
+                expect = ExpectationFailed(
+                    "the only Expect value served is 100-continue; drop the header or "
+                    "send `Expect: 100-continue`"
                 )
-            return http_exception_response(request, exc)
+                return route_shaped(request, error_response(expect))
+            return route_shaped(request, http_exception_response(request, exc))
 
     return handle
+
+
+def route_shaped(request: web.BaseRequest, response: web.Response) -> web.Response:
+    """An edge error in the shape of the route it was meant for: Anthropic's on the Messages
+    paths (as the app's own anthropic_errors middleware does), OpenAI's everywhere else."""
+    if not is_messages_path(request.raw_path.partition("?")[0]):
+        return response
+    error = orjson.loads(response.body if isinstance(response.body, bytes) else b"{}")["error"]
+    response.body = orjson.dumps(error_body(response.status, error["message"], error["code"]))
+    return response
 
 
 class GatewayRequestHandler(web_protocol.RequestHandler):
@@ -422,9 +432,11 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
                 max_headers=self._limits.max_headers,
             )
             log.info("request_unparseable", status=error.http_status, code=error.code)
-        response = error_response(error)
+        response = route_shaped(request, error_response(error))
         if isinstance(error, MethodNotAllowed):
             response.headers["Allow"] = _METHODS_SERVED
+        # Said explicitly: the answer goes out as HTTP/1.0 (the request was never parsed).
+        response.headers["Connection"] = "close"
         response.force_close()
         return response
 

@@ -136,7 +136,8 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
     message, code}}`), same status and headers; it wraps the error middleware, so every error an
     Anthropic client can meet there (auth, routing, body limits, the relay) is covered."""
     response = await handler(request)
-    if response.status < 400 or not is_messages_path(request.path):
+    # The raw path: decoded, an escaped `/` in a session id (`..%2F..`) would hide the route.
+    if response.status < 400 or not is_messages_path(request.raw_path.partition("?")[0]):
         return response
     if not isinstance(response, web.Response) or response.content_type != JSON_CONTENT_TYPE:
         return response

@@ -3,7 +3,7 @@ against the real processes.
 
 The routes are enumerated from the gateway's application, so a route added later is fuzzed
 without editing this file. Each route gets a few hundred generated requests (seeded, and
-bounded in time by ROLLGATE_FUZZ_SECONDS_PER_ROUTE): hostile keys and headers, broken and
+bounded in time: ROLLGATE_FUZZ_SECONDS, 150 s by default, is shared by the routes): hostile keys and headers, broken and
 hostile bodies, route-shaped bodies with wrong values. The properties: never a 5xx without an
 upstream cause, every error in the JSON error shape with a non-empty message, never a hang;
 and afterwards the stack is ready and a normal session (start, chat, reward, refresh) is
@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from rollgate.stack import Stack
 from services.gateway.app import build_app
+from services.gateway.messages_translate import is_messages_path
 from services.gateway.settings import GatewaySettings
 from services.runtime.secret import Secret
 from tests.end_to_end.test_lifecycle import published
@@ -42,7 +43,6 @@ from tests.harness.processes import log_level_env, stack_config
 pytestmark = pytest.mark.e2e
 
 MODEL = "rollgate-mock"
-SECONDS_PER_ROUTE = float(os.environ.get("ROLLGATE_FUZZ_SECONDS_PER_ROUTE", "8"))
 EXAMPLES_PER_ROUTE = int(os.environ.get("ROLLGATE_FUZZ_EXAMPLES", "300"))
 # Even on a loaded machine, at least this many real cases must run per route.
 MIN_CASES = 25
@@ -71,6 +71,10 @@ def gateway_routes() -> list[tuple[str, str]]:
 
 
 ROUTES = gateway_routes()
+# The time budget, shared by the routes and the WebSocket protocol (which gets two shares).
+SECONDS_PER_ROUTE = max(
+    2.0, float(os.environ.get("ROLLGATE_FUZZ_SECONDS", "150")) / (len(ROUTES) + 2)
+)
 
 
 @dataclass(slots=True)
@@ -183,9 +187,15 @@ def check_answer(
         assert b"<html" in body.lower() and len(body.strip()) > 0, (what, body[:300])
     elif status >= 400:
         assert headers.get("content-type", "").startswith("application/json"), (what, headers)
-        error = orjson.loads(body)["error"]
+        parsed = orjson.loads(body)
+        error = parsed["error"]
         assert isinstance(error["message"], str) and error["message"].strip(), (what, body)
-        assert isinstance(error["type"], str) and isinstance(error["code"], str), (what, body)
+        assert isinstance(error["type"], str), (what, body)
+        if is_messages_path(pattern) and not unparseable(headers, error):
+            # Anthropic's shape: {"type": "error", "error": {type, message[, code]}}.
+            assert parsed.get("type") == "error", (what, body)
+        else:
+            assert isinstance(error["code"], str), (what, body)
     if headers.get("content-type", "").startswith("text/event-stream"):
         for line in body.decode().split("\n"):
             if line.startswith("data: {") and '"error"' in line[:12]:
@@ -193,11 +203,25 @@ def check_answer(
                 assert error["message"] and error["code"], (what, line)
 
 
+# What the HTTP parser refuses before it knows the path (so before any route's shape applies):
+# answered in the default shape, and the connection is closed.
+PARSER_CODES = {
+    "malformed_request", "malformed_request_line", "invalid_header", "invalid_url",
+    "uri_too_long", "headers_too_large", "invalid_content_length", "invalid_transfer_encoding",
+    "method_not_allowed", "http_version_not_supported", "unsupported_content_encoding",
+}  # fmt: skip
+
+
+def unparseable(headers: dict[str, str], error: dict[str, Any]) -> bool:
+    """True for an answer to a request the parser refused."""
+    return headers.get("connection", "").lower() == "close" and error.get("code") in PARSER_CODES
+
+
 def upstream_caused(status: int, headers: dict[str, str], body: bytes) -> bool:
     """5xx that name an upstream cause, or a transient state with Retry-After."""
     try:
-        code = str(orjson.loads(body)["error"]["code"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+        code = str(orjson.loads(body)["error"].get("code", ""))
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return False
     if status in (502, 504):
         return code.startswith("upstream")
@@ -255,6 +279,15 @@ BODY_FIELDS: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "store": st.booleans() | json_values,
         "instructions": st.text(max_size=20) | json_values,
         "max_output_tokens": st.integers(min_value=-3, max_value=40) | json_values,
+    },
+    "/messages": {
+        "model": st.just(MODEL) | identifiers,
+        "max_tokens": st.integers(min_value=-3, max_value=40) | json_values,
+        "messages": messages | json_values,
+        "system": st.text(max_size=30) | json_values,
+        "stream": st.booleans() | json_values,
+        "tools": json_values,
+        "stop_sequences": json_values,
     },
     "/rl/start_session": {
         "task_id": identifiers | json_values,

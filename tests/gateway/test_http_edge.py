@@ -362,3 +362,30 @@ async def test_keep_alive_serves_several_requests_within_the_limits(
                 assert (await read_response(reader)).startswith(b"HTTP/1.1 200")
     finally:
         writer.close()
+
+
+async def test_edge_refusals_on_messages_paths_take_anthropics_shape(
+    gateway_without_backends: Gateway,
+) -> None:
+    raw = (
+        b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: \xff\r\n"
+        b"Content-Encoding: bogus\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    status, _, body = parse(await exchange(gateway_without_backends.server.port, raw))
+    assert status == 400
+    answer = orjson.loads(body)
+    assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert "x-api-key" in answer["error"]["message"].lower()
+
+
+async def test_an_escaped_slash_in_a_session_path_keeps_the_messages_shape(
+    gateway_without_backends: Gateway,
+) -> None:
+    async with gateway_without_backends.http.post(
+        gateway_without_backends.url + "/sessions/..%2F..%2Fetc/v1/messages",
+        data=b"{}",
+        headers={"x-api-key": SESSION.decode()},
+    ) as resp:
+        assert resp.status == 400
+        answer = await resp.json()
+    assert answer["type"] == "error" and answer["error"]["code"] == "invalid_session_id"
