@@ -389,3 +389,19 @@ async def test_an_escaped_slash_in_a_session_path_keeps_the_messages_shape(
         assert resp.status == 400
         answer = await resp.json()
     assert answer["type"] == "error" and answer["error"]["code"] == "invalid_session_id"
+
+
+async def test_deep_json_on_messages_is_400_in_anthropics_shape(
+    gateway_without_backends: Gateway,
+) -> None:
+    nested = b"[" * 300 + b"]" * 300
+    async with gateway_without_backends.http.post(
+        gateway_without_backends.url + "/v1/messages",
+        data=b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": '
+        + nested
+        + b"}]}",
+        headers={"x-api-key": SESSION.decode()},
+    ) as resp:
+        assert resp.status == 400
+        answer = await resp.json()
+    assert answer["type"] == "error" and answer["error"]["code"] == "json_too_deep"
