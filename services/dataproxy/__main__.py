@@ -44,6 +44,7 @@ from services.runtime.metrics import (
 from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import StartupError, service_main
 from services.runtime.tasks import cancel_and_wait
+from services.runtime.tracing import tracer_for
 
 SERVICE_NAMES = (
     "rollgate.v1.DataProxy",
@@ -149,6 +150,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         stack.push_async_callback(lease.release)
         errors = await stack.enter_async_context(ErrorLog(redis=redis, keys=keys))
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
+        tracer = await stack.enter_async_context(tracer_for("dataproxy", settings.tracing))
         await stack.enter_async_context(HistorySampler(redis=redis, keys=keys, overview=overview))
         server = GrpcServer(
             ServerSpec(
@@ -157,7 +159,9 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 port=settings.port,
                 service_names=SERVICE_NAMES,
                 grace_s=settings.grace_s,
-                interceptors=(RpcMetricsInterceptor(metrics.rpc, on_error=errors.record),),
+                interceptors=(
+                    RpcMetricsInterceptor(metrics.rpc, on_error=errors.record, tracer=tracer),
+                ),
             )
         )
         servicer, streams = build_dataproxy(

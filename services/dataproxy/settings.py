@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str, redis_url
+from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +47,8 @@ class DataProxySettings:
     log_json: bool | None = None
     # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
     metrics: MetricsEndpoint = NO_METRICS_PORT
+    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
+    tracing: TracingSettings = NO_TRACING
 
     @property
     def refresh_lock_s(self) -> float:
@@ -77,6 +80,7 @@ class DataProxySettings:
         return cls(
             host=bind_host,
             metrics=metrics_endpoint(environ, service="dataproxy", host=bind_host),
+            tracing=tracing_settings(environ),
             port=port if port is not None else 50052,
             redis_url=redis_url(environ),
             redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),

@@ -23,6 +23,7 @@ from services.gateway.edge import EdgeLimits, GatewayRunner
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
+from services.gateway.tracing_http import tracing_ctx, tracing_middleware
 from services.runtime.logs import get_logger
 from services.runtime.metrics import MetricsServer, ServiceMetrics
 
@@ -32,10 +33,15 @@ log = get_logger(__name__)
 def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) -> web.Application:
     """The application: routes, middlewares, and the gRPC channels as a cleanup context.
     Its metrics go into `metrics`'s registry (served on the metrics port, not here)."""
-    # Outermost first: metrics see the status the error middleware produced; the Messages
-    # paths then reshape it as Anthropic's error.
+    # Outermost first: the trace spans everything; metrics see the status the error middleware
+    # produced; the Messages paths then reshape it as Anthropic's error.
     app = web.Application(
-        middlewares=[health.metrics_middleware, messages.anthropic_errors, error_middleware],
+        middlewares=[
+            tracing_middleware,
+            health.metrics_middleware,
+            messages.anthropic_errors,
+            error_middleware,
+        ],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -45,6 +51,7 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
     app[health.METRICS] = health.Metrics(metrics.registry if metrics is not None else None)
     app[health.LIVE_WORKERS] = health.LiveWorkers()
     app[models.STARTED_AT] = int(time.time())
+    app.cleanup_ctx.append(tracing_ctx)
     app.cleanup_ctx.append(backends_ctx)
     app.cleanup_ctx.append(health.live_workers_ctx)
     app.router.add_post("/rl/start_session", session_api.start_session)

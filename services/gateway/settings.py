@@ -10,6 +10,7 @@ from services.gateway.ws_protocol import DEFAULT_SYSTEM_PROMPT
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str
+from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # start_session waits the dataproxy's refresh timeout plus this much (publication, hops).
@@ -51,6 +52,8 @@ class GatewaySettings:
     console_max_login_s: float = 12 * 3600.0
     # Where GET /metrics is served (port None: nowhere), never the public port; docs/metrics.md.
     metrics: MetricsEndpoint = NO_METRICS_PORT
+    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
+    tracing: TracingSettings = NO_TRACING
     # The WebSocket bridge (`/ws`, docs/protocols.md): the model its runs use ("": the first
     # model a live worker serves), their system prompt, the tick interval, the frame and
     # buffer limits announced in hello-ok, and the deadline of one run.
@@ -97,6 +100,7 @@ class GatewaySettings:
             admin_key=Secret(admin_key),
             host=bind_host,
             metrics=metrics_endpoint(environ, service="gateway", host=bind_host),
+            tracing=tracing_settings(environ),
             console_session_s=_positive(environ, "ROLLGATE_CONSOLE_SESSION_S", 900.0),
             console_max_login_s=_positive(environ, "ROLLGATE_CONSOLE_MAX_LOGIN_S", 12 * 3600.0),
             port=port if port is not None else 8080,

@@ -20,6 +20,7 @@ from services.runtime.metrics import (
 )
 from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import StartupError, service_main
+from services.runtime.tracing import tracer_for
 
 SERVICE_NAME = "rollgate.v1.Router"
 
@@ -47,6 +48,7 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
         metrics.export_globals(lease, registry_values(registry))
         stack.push_async_callback(lease.release)
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
+        tracer = await stack.enter_async_context(tracer_for("router", settings.tracing))
         server = GrpcServer(
             ServerSpec(
                 name="router",
@@ -54,7 +56,7 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
                 port=settings.port,
                 service_names=(SERVICE_NAME,),
                 grace_s=settings.grace_s,
-                interceptors=(RpcMetricsInterceptor(metrics.rpc),),
+                interceptors=(RpcMetricsInterceptor(metrics.rpc, tracer=tracer),),
             )
         )
         router_pb2_grpc.add_RouterServicer_to_server(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.settings import DEFAULT_REDIS_URL, env_bool, env_float, env_str, redis_url
+from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
 
 # An affinity unused this long is forgotten; the next turn of that session is placed afresh.
 AFFINITY_TTL_S = 24 * 3600.0
@@ -33,6 +34,8 @@ class RouterSettings:
     log_json: bool | None = None
     # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
     metrics: MetricsEndpoint = NO_METRICS_PORT
+    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
+    tracing: TracingSettings = NO_TRACING
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.lease_s <= self.heartbeat_interval_s:
@@ -52,6 +55,7 @@ class RouterSettings:
         return cls(
             host=bind_host,
             metrics=metrics_endpoint(environ, service="router", host=bind_host),
+            tracing=tracing_settings(environ),
             port=port if port is not None else 50051,
             redis_url=redis_url(environ),
             redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),

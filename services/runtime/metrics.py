@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from services.runtime.errors import RollgateError
 from services.runtime.logs import get_logger
 from services.runtime.settings import env_str
+from services.runtime.tracing import Span, TraceContext, Tracer, incoming
 
 log = get_logger(__name__)
 
@@ -357,6 +358,25 @@ def _final_code(context: grpc.aio.ServicerContext[Any, Any], raised: BaseExcepti
     return "UNKNOWN" if raised is not None else "OK"
 
 
+def _serving(
+    tracer: Tracer | None,
+    name: str,
+    parent: TraceContext | None,
+    attributes: Mapping[str, str | int | float | bool],
+) -> contextlib.AbstractContextManager[Span | None]:
+    """The RPC's span (or nothing when untraced)."""
+    if tracer is None:
+        return contextlib.nullcontext()
+    return tracer.serve(name, parent, attributes=attributes)
+
+
+def _end_span(span: Span | None, code: str) -> None:
+    if span is not None:
+        span.attributes["rpc.grpc.status_code"] = code
+        if code != "OK":
+            span.fail(code)
+
+
 # Called with (`/pkg.Service/Method`, status code name, details) for every failed RPC; must
 # not block (it runs as the RPC ends).
 ErrorHook = Callable[[str, str, str], None]
@@ -366,9 +386,16 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  
     """Counts every RPC but health checks, by its final status code (outermost interceptor,
     so it sees the code the others produced)."""
 
-    def __init__(self, metrics: RpcMetrics, *, on_error: ErrorHook | None = None) -> None:
+    def __init__(
+        self,
+        metrics: RpcMetrics,
+        *,
+        on_error: ErrorHook | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
         self._metrics = metrics
         self._on_error = on_error
+        self._tracer = tracer
 
     async def intercept_service(
         self,
@@ -380,33 +407,43 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  
         if handler is None or full.startswith("/grpc.health"):
             return handler
         service, method = _split_method(full)
+        # The caller's trace (a traceparent in the metadata) continues here; without one and
+        # without export, nothing is traced and nothing costs.
+        parent = incoming(handler_call_details.invocation_metadata)
+        tracer = self._tracer
+        if tracer is not None and parent is None and tracer.exporter is None:
+            tracer = None
+        span_name = full.lstrip("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
         handled = self._metrics.handled
         duration = self._metrics.duration.labels(grpc_service=service, grpc_method=method)
         running = self._metrics.in_flight.labels(grpc_service=service, grpc_method=method)
 
         on_error = self._on_error
 
-        def finish(context: Any, started: float, raised: BaseException | None) -> None:
+        def finish(context: Any, started: float, raised: BaseException | None) -> str:
             running.dec()
             duration.observe(time.perf_counter() - started)
             code = _final_code(context, raised)
             handled.labels(grpc_service=service, grpc_method=method, grpc_code=code).inc()
             if on_error is not None and code != "OK":
                 on_error(full, code, str(context.details() or ""))
+            return code
 
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: Any) -> Any:
-                started, raised = time.perf_counter(), None
-                running.inc()
-                try:
-                    return await inner_uu(request, context)
-                except BaseException as err:
-                    raised = err
-                    raise
-                finally:
-                    finish(context, started, raised)
+                with _serving(tracer, span_name, parent, attributes) as span:
+                    started, raised = time.perf_counter(), None
+                    running.inc()
+                    try:
+                        return await inner_uu(request, context)
+                    except BaseException as err:
+                        raised = err
+                        raise
+                    finally:
+                        _end_span(span, finish(context, started, raised))
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
@@ -417,20 +454,21 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: Any) -> Any:
-                started, raised = time.perf_counter(), None
-                running.inc()
-                try:
-                    produced = inner_us(request, context)
-                    if hasattr(produced, "__aiter__"):
-                        async for item in produced:
-                            yield item
-                    else:  # a handler that writes with context.write() and returns
-                        await produced
-                except BaseException as err:
-                    raised = err
-                    raise
-                finally:
-                    finish(context, started, raised)
+                with _serving(tracer, span_name, parent, attributes) as span:
+                    started, raised = time.perf_counter(), None
+                    running.inc()
+                    try:
+                        produced = inner_us(request, context)
+                        if hasattr(produced, "__aiter__"):
+                            async for item in produced:
+                                yield item
+                        else:  # a handler that writes with context.write() and returns
+                            await produced
+                    except BaseException as err:
+                        raised = err
+                        raise
+                    finally:
+                        _end_span(span, finish(context, started, raised))
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,

@@ -15,6 +15,7 @@ from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
 from services.runtime.metrics import MetricsServer, RpcMetricsInterceptor, ServiceMetrics
 from services.runtime.service_main import service_main
+from services.runtime.tracing import tracer_for
 from services.worker.adapters import adapter_for
 from services.worker.metrics import worker_metrics
 from services.worker.registration import Registration
@@ -140,6 +141,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         metrics = ServiceMetrics("worker")
         worker_metrics(metrics, runner)
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
+        tracer = await stack.enter_async_context(tracer_for("worker", settings.tracing))
         server = GrpcServer(
             ServerSpec(
                 name="worker",
@@ -147,7 +149,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
                 port=settings.port,
                 service_names=(SERVICE_NAME,),
                 grace_s=settings.grace_s,
-                interceptors=(RpcMetricsInterceptor(metrics.rpc),),
+                interceptors=(RpcMetricsInterceptor(metrics.rpc, tracer=tracer),),
             )
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(

@@ -10,6 +10,7 @@ from services.runtime.config import normalize_base_url as config_base_url
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str
+from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
 
 UPSTREAM_KINDS = ("openai", "vllm", "sglang")
 DEFAULT_KEY_VAR = "ROLLGATE_UPSTREAM_API_KEY"
@@ -114,6 +115,8 @@ class WorkerSettings:
     log_json: bool | None = None
     # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
     metrics: MetricsEndpoint = NO_METRICS_PORT
+    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
+    tracing: TracingSettings = NO_TRACING
 
     @classmethod
     def from_env(
@@ -150,6 +153,7 @@ class WorkerSettings:
         return cls(
             host=bind_host,
             metrics=metrics_endpoint(environ, service="worker", host=bind_host),
+            tracing=tracing_settings(environ),
             port=port if port is not None else 50061,
             router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
             worker_id=env_str(environ, "ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),
