@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/dataproxy.proto\x12\x0brollgate.v1\x1a\x13protos/common.proto\"K\n\x13StartSessionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\"2\n\x0bGroupMember\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"\xa8\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x11\n\trefreshed\x18\x03 \x01(\x08\x12\x1b\n\x13\x65nded_trajectory_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12)\n\x07members\x18\x06 \x03(\x0b\x32\x18.rollgate.v1.GroupMember\"b\n\x10SetRewardRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x16\n\x0einteraction_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\"+\n\x11SetRewardResponse\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\";\n\x11\x45ndSessionRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"Z\n\x12\x45ndSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x19\n\x11interaction_count\x18\x03 \x01(\x05\"\xb5\x01\n\rLedgerRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\'\n\x05\x62\x65gin\x18\x03 \x01(\x0b\x32\x16.rollgate.v1.BeginTurnH\x00\x12)\n\x06record\x18\x04 \x01(\x0b\x32\x17.rollgate.v1.RecordTurnH\x00\x12+\n\x07release\x18\x05 \x01(\x0b\x32\x18.rollgate.v1.ReleaseTurnH\x00\x42\x04\n\x02op\"G\n\tBeginTurn\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"J\n\x0cTurnAdmitted\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\xeb\x01\n\nRecordTurn\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\x12\x14\n\x0crequest_json\x18\x03 \x01(\x0c\x12\x16\n\x0einteraction_id\x18\x04 \x01(\t\x12\x11\n\tturn_type\x18\x05 \x01(\t\x12\x14\n\x0csession_done\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08streamed\x18\x08 \x01(\x08\x12\'\n\x05spans\x18\t \x03(\x0b\x32\x18.rollgate.v1.VersionSpan\"5\n\x0bVersionSpan\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x1d\n\x0bReleaseTurn\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"I\n\x0cTurnRecorded\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x05\"\xc8\x01\n\x0eLedgerResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12-\n\x08\x61\x64mitted\x18\x02 \x01(\x0b\x32\x19.rollgate.v1.TurnAdmittedH\x00\x12-\n\x08recorded\x18\x03 \x01(\x0b\x32\x19.rollgate.v1.TurnRecordedH\x00\x12\x12\n\x08released\x18\x04 \x01(\x08H\x00\x12\x14\n\nerror_json\x18\x05 \x01(\x0cH\x00\x12\x18\n\x0eweight_version\x18\x06 \x01(\x03H\x00\x42\x08\n\x06result\"\'\n\x11ResolveKeyRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"F\n\x12ResolveKeyResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\'\n\x11GetHistoryRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"@\n\x0cHistoryEntry\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x18\n\x10interaction_json\x18\x02 \x01(\x0c\"T\n\x12GetHistoryResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.rollgate.v1.HistoryEntry\"0\n\x0fIssueKeyRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"A\n\x10IssueKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t2\xa9\x04\n\tDataProxy\x12S\n\x0cStartSession\x12 .rollgate.v1.StartSessionRequest\x1a!.rollgate.v1.StartSessionResponse\x12J\n\tSetReward\x12\x1d.rollgate.v1.SetRewardRequest\x1a\x1e.rollgate.v1.SetRewardResponse\x12M\n\nEndSession\x12\x1e.rollgate.v1.EndSessionRequest\x1a\x1f.rollgate.v1.EndSessionResponse\x12\x45\n\x06Ledger\x12\x1a.rollgate.v1.LedgerRequest\x1a\x1b.rollgate.v1.LedgerResponse(\x01\x30\x01\x12M\n\nResolveKey\x12\x1e.rollgate.v1.ResolveKeyRequest\x1a\x1f.rollgate.v1.ResolveKeyResponse\x12M\n\nGetHistory\x12\x1e.rollgate.v1.GetHistoryRequest\x1a\x1f.rollgate.v1.GetHistoryResponse\x12G\n\x08IssueKey\x12\x1c.rollgate.v1.IssueKeyRequest\x1a\x1d.rollgate.v1.IssueKeyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/dataproxy.proto\x12\x0brollgate.v1\x1a\x13protos/common.proto\"K\n\x13StartSessionRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\"2\n\x0bGroupMember\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"\xa8\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x11\n\trefreshed\x18\x03 \x01(\x08\x12\x1b\n\x13\x65nded_trajectory_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12)\n\x07members\x18\x06 \x03(\x0b\x32\x18.rollgate.v1.GroupMember\"b\n\x10SetRewardRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x16\n\x0einteraction_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\"+\n\x11SetRewardResponse\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\";\n\x11\x45ndSessionRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"Z\n\x12\x45ndSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x19\n\x11interaction_count\x18\x03 \x01(\x05\"\xca\x01\n\rLedgerRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\'\n\x05\x62\x65gin\x18\x03 \x01(\x0b\x32\x16.rollgate.v1.BeginTurnH\x00\x12)\n\x06record\x18\x04 \x01(\x0b\x32\x17.rollgate.v1.RecordTurnH\x00\x12+\n\x07release\x18\x05 \x01(\x0b\x32\x18.rollgate.v1.ReleaseTurnH\x00\x42\x04\n\x02op\"G\n\tBeginTurn\x12\x12\n\nkey_digest\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"J\n\x0cTurnAdmitted\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\xeb\x01\n\nRecordTurn\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\x12\x14\n\x0crequest_json\x18\x03 \x01(\x0c\x12\x16\n\x0einteraction_id\x18\x04 \x01(\t\x12\x11\n\tturn_type\x18\x05 \x01(\t\x12\x14\n\x0csession_done\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08streamed\x18\x08 \x01(\x08\x12\'\n\x05spans\x18\t \x03(\x0b\x32\x18.rollgate.v1.VersionSpan\"5\n\x0bVersionSpan\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x1d\n\x0bReleaseTurn\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"I\n\x0cTurnRecorded\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x05\"\xc8\x01\n\x0eLedgerResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12-\n\x08\x61\x64mitted\x18\x02 \x01(\x0b\x32\x19.rollgate.v1.TurnAdmittedH\x00\x12-\n\x08recorded\x18\x03 \x01(\x0b\x32\x19.rollgate.v1.TurnRecordedH\x00\x12\x12\n\x08released\x18\x04 \x01(\x08H\x00\x12\x14\n\nerror_json\x18\x05 \x01(\x0cH\x00\x12\x18\n\x0eweight_version\x18\x06 \x01(\x03H\x00\x42\x08\n\x06result\"\'\n\x11ResolveKeyRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"F\n\x12ResolveKeyResponse\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\'\n\x11GetHistoryRequest\x12\x12\n\nkey_digest\x18\x01 \x01(\t\"@\n\x0cHistoryEntry\x12\x16\n\x0einteraction_id\x18\x01 \x01(\t\x12\x18\n\x10interaction_json\x18\x02 \x01(\x0c\"T\n\x12GetHistoryResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.rollgate.v1.HistoryEntry\"0\n\x0fIssueKeyRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"A\n\x10IssueKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t\x12\x0e\n\x06key_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t2\xa9\x04\n\tDataProxy\x12S\n\x0cStartSession\x12 .rollgate.v1.StartSessionRequest\x1a!.rollgate.v1.StartSessionResponse\x12J\n\tSetReward\x12\x1d.rollgate.v1.SetRewardRequest\x1a\x1e.rollgate.v1.SetRewardResponse\x12M\n\nEndSession\x12\x1e.rollgate.v1.EndSessionRequest\x1a\x1f.rollgate.v1.EndSessionResponse\x12\x45\n\x06Ledger\x12\x1a.rollgate.v1.LedgerRequest\x1a\x1b.rollgate.v1.LedgerResponse(\x01\x30\x01\x12M\n\nResolveKey\x12\x1e.rollgate.v1.ResolveKeyRequest\x1a\x1f.rollgate.v1.ResolveKeyResponse\x12M\n\nGetHistory\x12\x1e.rollgate.v1.GetHistoryRequest\x1a\x1f.rollgate.v1.GetHistoryResponse\x12G\n\x08IssueKey\x12\x1c.rollgate.v1.IssueKeyRequest\x1a\x1d.rollgate.v1.IssueKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDSESSIONRESPONSE']._serialized_start=566
   _globals['_ENDSESSIONRESPONSE']._serialized_end=656
   _globals['_LEDGERREQUEST']._serialized_start=659
-  _globals['_LEDGERREQUEST']._serialized_end=840
-  _globals['_BEGINTURN']._serialized_start=842
-  _globals['_BEGINTURN']._serialized_end=913
-  _globals['_TURNADMITTED']._serialized_start=915
-  _globals['_TURNADMITTED']._serialized_end=989
-  _globals['_RECORDTURN']._serialized_start=992
-  _globals['_RECORDTURN']._serialized_end=1227
-  _globals['_VERSIONSPAN']._serialized_start=1229
-  _globals['_VERSIONSPAN']._serialized_end=1282
-  _globals['_RELEASETURN']._serialized_start=1284
-  _globals['_RELEASETURN']._serialized_end=1313
-  _globals['_TURNRECORDED']._serialized_start=1315
-  _globals['_TURNRECORDED']._serialized_end=1388
-  _globals['_LEDGERRESPONSE']._serialized_start=1391
-  _globals['_LEDGERRESPONSE']._serialized_end=1591
-  _globals['_RESOLVEKEYREQUEST']._serialized_start=1593
-  _globals['_RESOLVEKEYREQUEST']._serialized_end=1632
-  _globals['_RESOLVEKEYRESPONSE']._serialized_start=1634
-  _globals['_RESOLVEKEYRESPONSE']._serialized_end=1704
-  _globals['_GETHISTORYREQUEST']._serialized_start=1706
-  _globals['_GETHISTORYREQUEST']._serialized_end=1745
-  _globals['_HISTORYENTRY']._serialized_start=1747
-  _globals['_HISTORYENTRY']._serialized_end=1811
-  _globals['_GETHISTORYRESPONSE']._serialized_start=1813
-  _globals['_GETHISTORYRESPONSE']._serialized_end=1897
-  _globals['_ISSUEKEYREQUEST']._serialized_start=1899
-  _globals['_ISSUEKEYREQUEST']._serialized_end=1947
-  _globals['_ISSUEKEYRESPONSE']._serialized_start=1949
-  _globals['_ISSUEKEYRESPONSE']._serialized_end=2014
-  _globals['_DATAPROXY']._serialized_start=2017
-  _globals['_DATAPROXY']._serialized_end=2570
+  _globals['_LEDGERREQUEST']._serialized_end=861
+  _globals['_BEGINTURN']._serialized_start=863
+  _globals['_BEGINTURN']._serialized_end=934
+  _globals['_TURNADMITTED']._serialized_start=936
+  _globals['_TURNADMITTED']._serialized_end=1010
+  _globals['_RECORDTURN']._serialized_start=1013
+  _globals['_RECORDTURN']._serialized_end=1248
+  _globals['_VERSIONSPAN']._serialized_start=1250
+  _globals['_VERSIONSPAN']._serialized_end=1303
+  _globals['_RELEASETURN']._serialized_start=1305
+  _globals['_RELEASETURN']._serialized_end=1334
+  _globals['_TURNRECORDED']._serialized_start=1336
+  _globals['_TURNRECORDED']._serialized_end=1409
+  _globals['_LEDGERRESPONSE']._serialized_start=1412
+  _globals['_LEDGERRESPONSE']._serialized_end=1612
+  _globals['_RESOLVEKEYREQUEST']._serialized_start=1614
+  _globals['_RESOLVEKEYREQUEST']._serialized_end=1653
+  _globals['_RESOLVEKEYRESPONSE']._serialized_start=1655
+  _globals['_RESOLVEKEYRESPONSE']._serialized_end=1725
+  _globals['_GETHISTORYREQUEST']._serialized_start=1727
+  _globals['_GETHISTORYREQUEST']._serialized_end=1766
+  _globals['_HISTORYENTRY']._serialized_start=1768
+  _globals['_HISTORYENTRY']._serialized_end=1832
+  _globals['_GETHISTORYRESPONSE']._serialized_start=1834
+  _globals['_GETHISTORYRESPONSE']._serialized_end=1918
+  _globals['_ISSUEKEYREQUEST']._serialized_start=1920
+  _globals['_ISSUEKEYREQUEST']._serialized_end=1968
+  _globals['_ISSUEKEYRESPONSE']._serialized_start=1970
+  _globals['_ISSUEKEYRESPONSE']._serialized_end=2035
+  _globals['_DATAPROXY']._serialized_start=2038
+  _globals['_DATAPROXY']._serialized_end=2591
 # @@protoc_insertion_point(module_scope)

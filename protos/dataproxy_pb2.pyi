@@ -213,6 +213,7 @@ class LedgerRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     BEGIN_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
@@ -220,6 +221,10 @@ class LedgerRequest(_message.Message):
     """Chosen by the gateway, unique on its stream; the answer carries it back."""
     timeout_s: _builtins.float
     """How long the gateway waits for the answer."""
+    traceparent: _builtins.str
+    """The W3C traceparent of the turn this op belongs to ("" when untraced): a stream carries
+    many turns, so the trace travels with each op, not in the call's metadata.
+    """
     @_builtins.property
     def begin(self) -> Global___BeginTurn: ...
     @_builtins.property
@@ -231,13 +236,14 @@ class LedgerRequest(_message.Message):
         *,
         id: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
+        traceparent: _builtins.str = ...,
         begin: Global___BeginTurn | None = ...,
         record: Global___RecordTurn | None = ...,
         release: Global___ReleaseTurn | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "op", b"op", "record", b"record", "release", b"release"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "id", b"id", "op", b"op", "record", b"record", "release", b"release", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "id", b"id", "op", b"op", "record", b"record", "release", b"release", "timeout_s", b"timeout_s", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["begin", "record", "release"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015

@@ -44,7 +44,7 @@ from services.runtime.metrics import (
 from services.runtime.redis_conn import open_redis
 from services.runtime.service_main import StartupError, service_main
 from services.runtime.tasks import cancel_and_wait
-from services.runtime.tracing import tracer_for
+from services.runtime.tracing import Tracer, tracer_for
 
 SERVICE_NAMES = (
     "rollgate.v1.DataProxy",
@@ -85,6 +85,7 @@ def build_dataproxy(
     store: SessionStore | None = None,
     control: Control | None = None,
     on_op: OpHook | None = None,
+    tracer: Tracer | None = None,
 ) -> tuple[DataProxyServicer, LedgerStreams]:
     """The DataProxy servicer over one Redis client and the process's weight-version view,
     and its ledger streams (drained first on shutdown; `on_op` sees each ledger op end)."""
@@ -92,7 +93,10 @@ def build_dataproxy(
     keys = RedisKeys(settings.redis_prefix)
     control = control or build_control(redis=redis, keys=keys, settings=settings)
     streams = LedgerStreams(
-        ledger=TurnLedger(store=store, control=control), versions=versions, on_op=on_op
+        ledger=TurnLedger(store=store, control=control),
+        versions=versions,
+        on_op=on_op,
+        tracer=tracer,
     )
     return DataProxyServicer(store=store, ledger=streams), streams
 
@@ -132,10 +136,10 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         # Trims the trajectories stream below what every consumer group has acked.
         await stack.enter_async_context(StreamTrimmer(redis=redis, keys=keys))
         metrics = ServiceMetrics("dataproxy")
-        control = build_control(
-            redis=redis, keys=keys, settings=settings, metrics=DataProxyMetrics(metrics.registry)
-        )
+        counted = DataProxyMetrics(metrics.registry)
+        control = build_control(redis=redis, keys=keys, settings=settings, metrics=counted)
         store = build_store(redis=redis, settings=settings)
+        store.on_ended = counted.ended
         trainer = TrainerServicer(redis=redis, keys=keys, settings=settings, control=control)
         overview = Overview(
             redis=redis,
@@ -171,6 +175,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             store=store,
             control=control,
             on_op=ledger_metrics(metrics.rpc, errors.record),
+            tracer=tracer,
         )
         dataproxy_pb2_grpc.add_DataProxyServicer_to_server(servicer, server.server)
         # In the stop sequence, before the server stops: no new turns; turns already admitted

@@ -27,6 +27,7 @@ from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
 from services.runtime.grpc_server import as_rollgate_error
 from services.runtime.logs import get_logger
 from services.runtime.tasks import cancel_and_wait
+from services.runtime.tracing import Span, TraceContext, Tracer
 
 log = get_logger(__name__)
 
@@ -55,11 +56,17 @@ class LedgerStreams:
     """Serves the ledger streams of this process over one TurnLedger."""
 
     def __init__(
-        self, *, ledger: TurnLedger, versions: WeightVersionView, on_op: OpHook | None = None
+        self,
+        *,
+        ledger: TurnLedger,
+        versions: WeightVersionView,
+        on_op: OpHook | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self._ledger = ledger
         self._versions = versions
         self._on_op = on_op
+        self._tracer = tracer
         self._streams: set[_Stream] = set()
         self._closing = False
         self._drained = asyncio.Event()
@@ -136,8 +143,14 @@ class LedgerStreams:
         started = time.perf_counter()
         code, message = "OK", ""
         try:
-            async with asyncio.timeout(request.timeout_s or DEFAULT_OP_TIMEOUT_S):
-                answer = await self._run(stream, request, kind)
+            with self._traced(request, kind) as span:
+                try:
+                    async with asyncio.timeout(request.timeout_s or DEFAULT_OP_TIMEOUT_S):
+                        answer = await self._run(stream, request, kind)
+                except Exception as err:
+                    if span is not None:
+                        span.fail(type(err).__name__)
+                    raise
         except Exception as err:
             error = err if isinstance(err, RollgateError) else None
             error = error or as_rollgate_error(err, service="dataproxy", method=f"{METHOD}/{kind}")
@@ -148,6 +161,16 @@ class LedgerStreams:
         if self._on_op is not None:
             self._on_op(kind, code, time.perf_counter() - started, message)
         self._check_drained()
+
+    def _traced(
+        self, request: dataproxy_pb2.LedgerRequest, kind: str
+    ) -> contextlib.AbstractContextManager[Span | None]:
+        """The op's span in its turn's trace (nothing when untraced and not exporting)."""
+        parent = TraceContext.parse(request.traceparent)
+        tracer = self._tracer
+        if tracer is None or (parent is None and tracer.exporter is None):
+            return contextlib.nullcontext()
+        return tracer.serve(f"rollgate.v1.DataProxy/Ledger.{kind}", parent)
 
     async def _run(
         self, stream: _Stream, request: dataproxy_pb2.LedgerRequest, kind: str

@@ -26,6 +26,28 @@ class DataProxyMetrics:
             registry=registry,
         )
 
+        self.episodes_ended = Counter(
+            "rollgate_dataproxy_episodes_ended",
+            "Episodes this replica ended, by outcome (published, empty, held for a late "
+            "reward) and reason (end_session, refresh, idle, session_done; empty for the "
+            "publication of a held episode).",
+            ["status", "reason"],
+            registry=registry,
+        )
+        self.publication_lag = Histogram(
+            "rollgate_dataproxy_publication_lag_seconds",
+            "From an episode's end to its trajectory on the stream (for an episode held for a "
+            "late reward: the wait for it).",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+
+    def ended(self, status: str, reason: str, lag_s: float) -> None:
+        """Counts an episode this replica ended."""
+        self.episodes_ended.labels(status=status, reason=reason).inc()
+        if status == "published":
+            self.publication_lag.observe(lag_s)
+
     def paused(self) -> None:
         """Counts a PauseSubmission."""
         self.pauses.inc()

@@ -220,6 +220,9 @@ class SessionStore:
         self._refresh_lock_s = refresh_lock_s
         self._policy = policy or EpisodePolicy()
         self._revoker = SessionKeyRevoker(redis=redis, keys=keys)
+        # (status, end reason, seconds from the episode's end to this outcome) of every episode
+        # this replica ended (docs/metrics.md); None: not counted.
+        self.on_ended: Callable[[str, str, float], None] | None = None
 
     @property
     def policy(self) -> EpisodePolicy:
@@ -577,6 +580,10 @@ class SessionStore:
             if status == "retry":
                 continue
             if status in {"published", "empty", "held"}:
+                if self.on_ended is not None and state in {"active", HELD}:
+                    # Counted once: an episode this call found already ended is a retry.
+                    since = float(ep.get(b"ended_at") or now) if state == HELD else now
+                    self.on_ended(status, reason, max(0.0, time.time() - since))
                 return self._ended(key, result, status=status, end_reason=reason)
             if status == "missing":
                 raise Conflict(f"episode {key.episode} no longer exists")

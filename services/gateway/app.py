@@ -18,12 +18,13 @@ from services.gateway import (
     url_sessions,
     ws,
 )
-from services.gateway.backends import ROUTE_CACHE, SETTINGS, backends_ctx
+from services.gateway.backends import ROUTE_CACHE, SETTINGS, TURN_METRICS, backends_ctx
 from services.gateway.edge import EdgeLimits, GatewayRunner
 from services.gateway.http_errors import error_middleware
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
 from services.gateway.tracing_http import tracing_ctx, tracing_middleware
+from services.gateway.turn_metrics import TurnMetrics
 from services.runtime.logs import get_logger
 from services.runtime.metrics import MetricsServer, ServiceMetrics
 
@@ -49,6 +50,7 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
         ttl_s=settings.route_cache_ttl_s, max_entries=settings.route_cache_size
     )
     app[health.METRICS] = health.Metrics(metrics.registry if metrics is not None else None)
+    app[TURN_METRICS] = TurnMetrics(app[health.METRICS].registry)
     app[health.LIVE_WORKERS] = health.LiveWorkers()
     app[models.STARTED_AT] = int(time.time())
     app.cleanup_ctx.append(tracing_ctx)

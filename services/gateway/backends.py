@@ -15,6 +15,7 @@ from services.gateway.ledger import LedgerClient
 from services.gateway.relay import RouterRoutes, TurnRelay
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
+from services.gateway.turn_metrics import TurnMetrics
 from services.runtime.grpc_client import ChannelPool, open_channel
 from services.runtime.logs import get_logger
 
@@ -41,6 +42,8 @@ class Backends:
 
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
+# The relay's per-turn metrics (set by build_app, in the process's registry).
+TURN_METRICS = web.AppKey("turn_metrics", TurnMetrics)
 BACKENDS = web.AppKey("backends", Backends)
 ROUTE_CACHE = web.AppKey("route_cache", RouteCache)
 RELAY = web.AppKey("relay", TurnRelay)
@@ -77,6 +80,7 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
                 ledger=ledger,
                 workers=workers,
                 rpc_timeout_s=settings.rpc_timeout_s,
+                metrics=app.get(TURN_METRICS),
             )
             log.info(
                 "backends_opened", router=settings.router_addr, dataproxy=settings.dataproxy_addr

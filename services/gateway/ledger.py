@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from protos import common_pb2, dataproxy_pb2
+from services.runtime import tracing
 from services.runtime.errors import (
     InternalError,
     RollgateError,
@@ -266,6 +267,9 @@ class LedgerClient:
         attempts: int,
     ) -> dataproxy_pb2.LedgerResponse:
         request.timeout_s = timeout_s
+        trace = tracing.current()
+        if trace is not None:
+            request.traceparent = trace.header()
         for attempt in range(attempts):
             request.id = next(self._ids)
             try:

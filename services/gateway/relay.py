@@ -28,6 +28,8 @@ from protos import worker_pb2, worker_pb2_grpc
 from services.gateway.header_mode import TurnTags
 from services.gateway.ledger import Admitted, LedgerClient
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
+from services.gateway.turn_metrics import TurnClock, TurnMetrics
+from services.runtime import tracing
 from services.runtime.errors import (
     RollgateError,
     UpstreamError,
@@ -303,11 +305,13 @@ class TurnRelay:
         ledger: LedgerClient,
         workers: ChannelPool,
         rpc_timeout_s: float,
+        metrics: TurnMetrics | None = None,
     ) -> None:
         self._routes = routes
         self._ledger = ledger
         self._workers = workers
         self._rpc_timeout_s = rpc_timeout_s
+        self._metrics = metrics
 
     async def stream(
         self, spec: TurnSpec, *, on_routed: Callable[[str], None] | None = None
@@ -319,6 +323,7 @@ class TurnRelay:
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
         answered = False
         call: _GenerateCall = None
+        clock = TurnClock(self._metrics, stream=True)
         try:
             choice = await self._route(spec)
             admitted = await self._begin(spec)
@@ -329,6 +334,8 @@ class TurnRelay:
             while not message.HasField("record"):
                 batch = message.chunks
                 spans.add(batch.output_tokens)
+                if batch.output_tokens:
+                    clock.output()
                 if spec.deltas_only:
                     if batch.HasField("delta"):
                         yield _delta(batch.delta)
@@ -339,9 +346,12 @@ class TurnRelay:
             answered = True
             tail = message.chunks
             spans.add(tail.output_tokens)
+            if tail.output_tokens:
+                clock.output()
             recording = True
             done = await self._record(spec, admitted, message.record, spans.spans)
             ended = True
+            clock.recorded(message.record)
             yield Done(
                 **done,
                 tail=[] if spec.deltas_only else list(tail.chunks),
@@ -349,6 +359,7 @@ class TurnRelay:
             )
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
+            clock.failed(err)
             raise
         finally:
             if call is not None and not answered:
@@ -361,6 +372,7 @@ class TurnRelay:
         """One non-streaming turn: the body for the client and Done, after the record."""
         admitted: Admitted | None = None
         recording = ended = False
+        clock = TurnClock(self._metrics, stream=False)
         try:
             choice = await self._route(spec)
             admitted = await self._begin(spec)
@@ -369,7 +381,9 @@ class TurnRelay:
             while True:
                 stub = worker_pb2_grpc.WorkerStub(self._workers.get(choice.address))
                 try:
-                    answer = await stub.Complete(request, timeout=spec.remaining_s())
+                    answer = await stub.Complete(
+                        request, timeout=spec.remaining_s(), metadata=tracing.grpc_metadata()
+                    )
                     break
                 except grpc.aio.AioRpcError as err:
                     error = from_rpc_error(err, hop="worker")
@@ -380,9 +394,11 @@ class TurnRelay:
             recording = True
             done = await self._record(spec, admitted, answer.record, None)
             ended = True
+            clock.recorded(answer.record)
             return answer.body_json, Done(**done)
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
+            clock.failed(err)
             raise
         finally:
             if admitted is not None and not ended:
@@ -429,7 +445,9 @@ class TurnRelay:
         rerouted = False
         while True:
             stub = worker_pb2_grpc.WorkerStub(self._workers.get(choice.address))
-            call = stub.Generate(request, timeout=spec.remaining_s())
+            call = stub.Generate(
+                request, timeout=spec.remaining_s(), metadata=tracing.grpc_metadata()
+            )
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as err:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from protos import router_pb2
+from services.runtime import tracing
 from services.runtime.errors import from_rpc_error
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ async def choose_worker(
             return cached
     request = router_pb2.RouteRequest(session=digest, model=model, avoid_worker_id=avoid_worker_id)
     try:
-        response = await router.Route(request, timeout=timeout_s)
+        response = await router.Route(request, timeout=timeout_s, metadata=tracing.grpc_metadata())
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="router") from None
     choice = WorkerChoice(worker_id=response.worker_id, address=response.address)

@@ -18,6 +18,7 @@ from services.gateway.header_mode import session_id_header
 from services.gateway.http_errors import json_response
 from services.gateway.json_body import load_json
 from services.gateway.key_admin import issue_access_key, require_admin, revoke_key
+from services.runtime import tracing
 from services.runtime.errors import InvalidRequest, check_identifier, from_rpc_error
 from services.runtime.keys import key_digest, looks_like_session_key
 from services.runtime.secret import Secret
@@ -141,7 +142,7 @@ async def start_session(request: web.Request) -> web.Response:
     )
     try:
         response = await request.app[BACKENDS].dataproxy.StartSession(
-            rpc_request, timeout=settings.start_session_timeout_s
+            rpc_request, timeout=settings.start_session_timeout_s, metadata=tracing.grpc_metadata()
         )
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="dataproxy") from None
@@ -167,7 +168,7 @@ async def set_reward(request: web.Request) -> web.Response:
     )
     try:
         response = await request.app[BACKENDS].dataproxy.SetReward(
-            rpc_request, timeout=settings.rpc_timeout_s
+            rpc_request, timeout=settings.rpc_timeout_s, metadata=tracing.grpc_metadata()
         )
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="dataproxy") from None
@@ -185,7 +186,7 @@ async def end_session(request: web.Request) -> web.Response:
     )
     try:
         response = await request.app[BACKENDS].dataproxy.EndSession(
-            rpc_request, timeout=settings.end_session_timeout_s
+            rpc_request, timeout=settings.end_session_timeout_s, metadata=tracing.grpc_metadata()
         )
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="dataproxy") from None
@@ -216,7 +217,7 @@ async def issue_key(request: web.Request) -> web.Response:
     rpc_request = dataproxy_pb2.IssueKeyRequest(mode=mode, task_id=_optional_str(body, "task_id"))
     try:
         response = await request.app[BACKENDS].dataproxy.IssueKey(
-            rpc_request, timeout=settings.rpc_timeout_s
+            rpc_request, timeout=settings.rpc_timeout_s, metadata=tracing.grpc_metadata()
         )
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="dataproxy") from None

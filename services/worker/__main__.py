@@ -17,7 +17,7 @@ from services.runtime.metrics import MetricsServer, RpcMetricsInterceptor, Servi
 from services.runtime.service_main import service_main
 from services.runtime.tracing import tracer_for
 from services.worker.adapters import adapter_for
-from services.worker.metrics import worker_metrics
+from services.worker.metrics import WorkerMetrics
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
@@ -139,7 +139,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         runner = build_runner(upstream, settings, aliases)
         models = model_names(served, aliases)
         metrics = ServiceMetrics("worker")
-        worker_metrics(metrics, runner)
+        counted = WorkerMetrics(metrics, runner)
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
         tracer = await stack.enter_async_context(tracer_for("worker", settings.tracing))
         server = GrpcServer(
@@ -153,7 +153,8 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
             )
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(runner, upstream_timeout_s=settings.upstream_timeout_s), server.server
+            WorkerServicer(runner, upstream_timeout_s=settings.upstream_timeout_s, metrics=counted),
+            server.server,
         )
         await stack.enter_async_context(server)
         await server.set_serving()

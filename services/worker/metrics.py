@@ -2,17 +2,89 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
-from services.runtime.metrics import ServiceMetrics
+from services.runtime.errors import RollgateError
+from services.runtime.metrics import DURATION_BUCKETS, ServiceMetrics
+from services.worker.turn import TurnResult
 from services.worker.turns import TurnRunner
 
 
-def worker_metrics(metrics: ServiceMetrics, runner: TurnRunner) -> None:
-    """Registers the worker's gauges; they read the runner when scraped (no hot-path cost)."""
-    in_flight = Gauge(
-        "rollgate_worker_turns_in_flight",
-        "Turns this worker is generating now.",
-        registry=metrics.registry,
-    )
-    in_flight.set_function(lambda: runner.in_flight)
+class WorkerMetrics:
+    """Turns by outcome, tokens, exactness, upstream timing and upstream errors by kind."""
+
+    def __init__(self, metrics: ServiceMetrics, runner: TurnRunner) -> None:
+        registry = metrics.registry
+        in_flight = Gauge(
+            "rollgate_worker_turns_in_flight",
+            "Turns this worker is generating now.",
+            registry=registry,
+        )
+        # Read when scraped: nothing on the hot path.
+        in_flight.set_function(lambda: runner.in_flight)
+        self.turns = Counter(
+            "rollgate_worker_turns",
+            "Turns this worker finished, by whether the client streamed and the outcome "
+            "(ok, or the error's code: upstream_timeout, upstream_unavailable, ...).",
+            ["stream", "outcome"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "rollgate_worker_tokens",
+            "Tokens of finished turns: the prompt as the model saw it (in), sampled (out).",
+            ["direction"],
+            registry=registry,
+        )
+        self.exact = Counter(
+            "rollgate_worker_turns_exact_tokens",
+            "Finished turns by whether their token ids are the engine's own sampled ids.",
+            ["exact"],
+            registry=registry,
+        )
+        self.mismatches = Counter(
+            "rollgate_worker_length_mismatches",
+            "Finished turns whose logprobs and output ids differ in length.",
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "rollgate_worker_upstream_errors",
+            "Failed turns by kind (the error code: upstream_timeout, upstream_unavailable, "
+            "upstream_auth_failed, upstream_rate_limited, upstream_broken_stream, ...).",
+            ["kind"],
+            registry=registry,
+        )
+        self.upstream_latency = Histogram(
+            "rollgate_worker_upstream_duration_seconds",
+            "The upstream call: request to its last byte.",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_ttft = Histogram(
+            "rollgate_worker_upstream_time_to_first_token_seconds",
+            "The upstream call: request to its first token.",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+
+    def finished(self, result: TurnResult, *, stream: bool) -> None:
+        """Counts a turn whose record is ready."""
+        self.turns.labels(stream=_flag(stream), outcome="ok").inc()
+        self.tokens.labels(direction="in").inc(len(result.prompt_token_ids))
+        self.tokens.labels(direction="out").inc(
+            len(result.output_token_ids) or len(result.output_logprobs)
+        )
+        self.exact.labels(exact=_flag(result.exact_tokens)).inc()
+        if result.length_mismatch:
+            self.mismatches.inc()
+        self.upstream_latency.observe(result.latency_s)
+        if result.ttft_s > 0:
+            self.upstream_ttft.observe(result.ttft_s)
+
+    def failed(self, err: RollgateError, *, stream: bool) -> None:
+        """Counts a turn that failed (its code is bounded: the error tree's codes)."""
+        self.turns.labels(stream=_flag(stream), outcome=err.code).inc()
+        self.upstream_errors.labels(kind=err.code).inc()
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"

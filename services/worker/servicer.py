@@ -14,6 +14,7 @@ import grpc
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.errors import RollgateError, UpstreamError
 from services.runtime.logs import get_logger
+from services.worker.metrics import WorkerMetrics
 from services.worker.turn import AnswerDelta, TurnResult
 from services.worker.turns import StreamBatch, TurnRunner
 from services.worker.upstream import ClientRequest, client_request
@@ -92,9 +93,16 @@ def _client(request: worker_pb2.GenerateRequest) -> ClientRequest:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Answers Generate (streaming) and Complete (unary)."""
 
-    def __init__(self, runner: TurnRunner, *, upstream_timeout_s: float) -> None:
+    def __init__(
+        self,
+        runner: TurnRunner,
+        *,
+        upstream_timeout_s: float,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self._runner = runner
         self._upstream_timeout_s = upstream_timeout_s
+        self._metrics = metrics
 
     def _budget_s(self, context: Context) -> float:
         remaining = context.time_remaining()
@@ -118,6 +126,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, TurnResult):
+                        if self._metrics is not None:
+                            self._metrics.finished(event, stream=True)
                         response = worker_pb2.GenerateResponse(record=turn_record(event))
                         if last is not None:
                             response.chunks.CopyFrom(last)
@@ -129,6 +139,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         yield worker_pb2.GenerateResponse(chunks=_batch(event))
         except RollgateError as err:
             _log_failure(request, err)
+            if self._metrics is not None:
+                self._metrics.failed(err, stream=True)
             raise
 
     async def Abort(
@@ -143,7 +155,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             turn = await self._runner.complete(_client(request), budget_s=self._budget_s(context))
         except RollgateError as err:
             _log_failure(request, err)
+            if self._metrics is not None:
+                self._metrics.failed(err, stream=False)
             raise
+        if self._metrics is not None:
+            self._metrics.finished(turn.record, stream=False)
         return worker_pb2.CompleteResponse(
             body_json=turn.body_json, record=turn_record(turn.record)
         )

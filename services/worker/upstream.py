@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
+from services.runtime import tracing
 from services.runtime.errors import (
     InvalidRequest,
     RollgateError,
@@ -49,6 +50,7 @@ DENYLIST = frozenset(
 DONE = b"[DONE]"
 # How much of an error body is read to find its message.
 _ERROR_BODY_LIMIT = 64 * 1024
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -361,8 +363,10 @@ class UpstreamClient:
         url = url or self.chat_url
         try:
             async with asyncio.timeout_at(deadline):
+                # The turn's traceparent goes on: an engine that traces (vLLM with
+                # --otlp-traces-endpoint) joins the client's trace.
                 response = await self.session.post(
-                    url, data=body, headers={"Content-Type": "application/json"}
+                    url, data=body, headers={**_JSON, **tracing.http_headers()}
                 )
         except TimeoutError:
             log.warning("upstream_timeout", url=url)

@@ -167,6 +167,14 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
     assert value(g, "rollgate_submission_paused") == 0
     assert value(g, "rollgate_turns_in_flight") == 0
     assert value(g, "rollgate_final_reward_sum_total") == sum(i / 2 for i in range(SESSIONS))
+    assert (
+        value(
+            g, "rollgate_dataproxy_episodes_ended_total", status="published", reason="end_session"
+        )
+        == SESSIONS
+    )
+    assert value(g, "rollgate_dataproxy_episodes_ended_total") == SESSIONS
+    assert value(g, "rollgate_dataproxy_publication_lag_seconds_count") == SESSIONS
     assert value(g, "rollgate_dataproxy_pauses_total") == 1
     assert value(g, "rollgate_dataproxy_pause_duration_seconds_count") == 1
     # Every turn of the mock (kind vllm) has the engine's token ids.
@@ -178,14 +186,62 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
         prefix = stack.config.redis_prefix
         import msgpack  # type: ignore[import-untyped]
 
-        tokens = sum(
-            len(i["output_token_ids"]) // 4
+        interactions = [
+            i
             for _, fields in client.xrange(prefix + "trajectories")
             for i in msgpack.unpackb(fields[b"data"])["interactions"]
-        )
+        ]
     finally:
         client.close()
+    tokens = sum(len(i["output_token_ids"]) // 4 for i in interactions)
+    # The whole prompt: a prefix shared with an earlier interaction, then its own ids.
+    prompt_tokens = sum(
+        len(i["prompt_token_ids"]) // 4 + (i.get("prompt_prefix") or {}).get("length", 0)
+        for i in interactions
+    )
     assert value(g, "rollgate_output_tokens_published_total") == tokens > 0
+
+    # The relay's per-turn metrics at the gateway, and the workers' own.
+    assert (
+        value(gateway, "rollgate_gateway_turns_total", stream="true", outcome="ok")
+        == (done["streamed"])
+    )
+    assert (
+        value(gateway, "rollgate_gateway_turns_total", stream="false", outcome="ok")
+        == (done["unary"])
+    )
+    # The unknown key is refused at admission, inside the relay.
+    assert value(gateway, "rollgate_gateway_turns_total", outcome="401") == 2
+    assert value(gateway, "rollgate_gateway_turn_duration_seconds_count") == turns
+    assert value(gateway, "rollgate_gateway_turn_added_seconds_count") == turns
+    assert value(gateway, "rollgate_gateway_time_to_first_token_seconds_count") == done["streamed"]
+    assert (
+        value(gateway, "rollgate_gateway_added_time_to_first_token_seconds_count")
+        == (done["streamed"])
+    )
+    assert value(gateway, "rollgate_gateway_tokens_total", direction="out") == tokens
+    assert value(gateway, "rollgate_gateway_tokens_total", direction="in") == prompt_tokens > 0
+    assert total(workers, "rollgate_worker_turns_total", outcome="ok") == turns
+    assert total(workers, "rollgate_worker_tokens_total", direction="out") == tokens
+    assert total(workers, "rollgate_worker_tokens_total", direction="in") == prompt_tokens
+    assert total(workers, "rollgate_worker_turns_exact_tokens_total", exact="true") == turns
+    assert total(workers, "rollgate_worker_upstream_errors_total") == 0
+    assert total(workers, "rollgate_worker_upstream_duration_seconds_count") == turns
+
+    # An upstream that refuses (429): counted by kind at the worker and by status at the gateway.
+    status, _, raw = request(stack, "POST", "/rl/start_session", {}, stack.config.admin_key)
+    key = json.loads(raw)["api_key"]
+    status, _, _ = request(stack, "POST", "/v1/chat/completions", chat_body("/fail-429"), key)
+    assert status == 429
+    after = [scrape(urls["worker-1"]), scrape(urls["worker-2"])]
+    assert total(after, "rollgate_worker_upstream_errors_total", kind="upstream_rate_limited") == 1
+    assert total(after, "rollgate_worker_upstream_errors_total") == 1
+    assert (
+        value(
+            scrape(urls["gateway"]), "rollgate_gateway_turns_total", stream="false", outcome="429"
+        )
+        == 1
+    )
 
     router = pages["router"]
     assert value(router, "rollgate_metrics_global_exporter") == 1
@@ -212,6 +268,7 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
         "rollgate_capacity_left_episodes",
         "rollgate_capacity_granted_episodes",
         "rollgate_capacity_bound_episodes",
+        "rollgate_worker_upstream_errors",  # a labelled counter appears with its first error
     }
     for name in dashboard_metric_names() - conditional:
         assert name in served or f"{name}_total" in served or f"{name}_bucket" in served, name

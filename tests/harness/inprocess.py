@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from services.runtime.grpc_client import ChannelPool, open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.keys import key_id_of
 from services.runtime.secret import Secret
+from services.runtime.tracing import NO_TRACING, TracingSettings
 from services.worker.__main__ import serving as worker_serving
 from services.worker.settings import WorkerSettings
 from services.worker.upstream import RequestPolicy
@@ -279,14 +281,22 @@ async def running_full_chain(
     *,
     admin_key: str,
     upstreams: Sequence[Upstream],
+    tracing: TracingSettings = NO_TRACING,
     **dataproxy: Any,
 ) -> AsyncIterator[FullChain]:
     """Router, dataproxy (`dataproxy` overrides its settings), one worker per upstream on its
-    own mock LLM, and a gateway; all on port 0 and ready when yielded."""
+    own mock LLM, and a gateway; all on port 0 and ready when yielded. `tracing` applies to
+    every service."""
     async with contextlib.AsyncExitStack() as exits:
         router = await exits.enter_async_context(
             router_serving(
-                RouterSettings(port=0, redis_url=redis_url, redis_prefix=key_prefix, grace_s=1.0)
+                RouterSettings(
+                    port=0,
+                    redis_url=redis_url,
+                    redis_prefix=key_prefix,
+                    grace_s=1.0,
+                    tracing=tracing,
+                )
             )
         )
         router_addr = f"127.0.0.1:{router.port}"
@@ -298,6 +308,7 @@ async def running_full_chain(
                     redis_prefix=key_prefix,
                     admin_key=Secret(admin_key),
                     grace_s=1.0,
+                    tracing=tracing,
                     **dataproxy,
                 )
             )
@@ -319,11 +330,14 @@ async def running_full_chain(
                         serve_default_model=index == 0,
                         upstream_kind=upstream.kind,
                         grace_s=1.0,
+                        tracing=tracing,
                     )
                 )
             )
             mocks.append(mock)
-        settings = gateway_settings(router_addr=router_addr, dataproxy_addr=proxy_addr)
+        settings = dataclasses.replace(
+            gateway_settings(router_addr=router_addr, dataproxy_addr=proxy_addr), tracing=tracing
+        )
         server = await exits.enter_async_context(GatewayServer(settings))
         http = await exits.enter_async_context(aiohttp.ClientSession())
         channel = open_channel(proxy_addr)
