@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 START_TIMEOUT_S = 30.0
+START_ATTEMPTS = 3
 COMMAND_TIMEOUT_S = 30.0
 FLAGS = (
     "--headless",
@@ -82,18 +83,19 @@ class Browser:
         self._reader: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Browser:
-        self._process = await asyncio.create_subprocess_exec(
-            chromium_path(), *FLAGS, f"--user-data-dir={self._profile}",
-            "--remote-debugging-port=0", "about:blank",
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (lines := _devtools_port(self._profile)):
-            if self._process.returncode is not None:
-                raise RuntimeError(f"chromium exited with {self._process.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("chromium did not open its DevTools port in time")
-            await asyncio.sleep(0.05)
+        # Chromium occasionally dies of SIGSEGV while it starts on a loaded machine (seen
+        # here under a full suite, never once it listens): a start that ends before DevTools
+        # opens is tried again, at most START_ATTEMPTS times; its stderr says why it died.
+        for attempt in range(1, START_ATTEMPTS + 1):
+            lines = await self._start(attempt)
+            if lines is not None:
+                break
+        else:
+            log = (self._profile / "chromium.stderr").read_text(errors="replace")[-2000:]
+            raise RuntimeError(
+                f"chromium exited before opening DevTools {START_ATTEMPTS} times "
+                f"(last exit code {self._returncode()}); its stderr ended with:\n{log}"
+            )
         port, path = lines
         self._http = aiohttp.ClientSession()
         self._ws = await self._http.ws_connect(
@@ -101,6 +103,27 @@ class Browser:
         )
         self._reader = asyncio.create_task(self._read())
         return self
+
+    async def _start(self, attempt: int) -> tuple[str, str] | None:
+        """Starts Chromium; (port, path) once DevTools listens, None if it exited first."""
+        profile = self._profile / f"profile-{attempt}"
+        with (self._profile / "chromium.stderr").open("ab") as stderr:
+            self._process = await asyncio.create_subprocess_exec(
+                chromium_path(), *FLAGS, f"--user-data-dir={profile}",
+                "--remote-debugging-port=0", "about:blank",
+                stdout=subprocess.DEVNULL, stderr=stderr, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (lines := _devtools_port(profile)):
+            if self._process.returncode is not None:
+                return None
+            if time.monotonic() > deadline:
+                raise RuntimeError("chromium did not open its DevTools port in time")
+            await asyncio.sleep(0.05)
+        return lines
+
+    def _returncode(self) -> int | None:
+        return self._process.returncode if self._process is not None else None
 
     async def __aexit__(
         self,
