@@ -62,6 +62,12 @@ class TurnMetrics:
             ["direction"],
             registry=registry,
         )
+        # The children every recorded turn touches, looked up once (no label lookup per turn).
+        self.ok = {s: self.turns.labels(stream=s, outcome="ok") for s in ("true", "false")}
+        self.durations = {s: self.duration.labels(stream=s) for s in ("true", "false")}
+        self.added_by = {s: self.added.labels(stream=s) for s in ("true", "false")}
+        self.tokens_in = self.tokens.labels(direction="in")
+        self.tokens_out = self.tokens.labels(direction="out")
 
 
 class TurnClock:
@@ -87,16 +93,16 @@ class TurnClock:
             return
         stream = "true" if self._stream else "false"
         elapsed = time.perf_counter() - self._started
-        m.turns.labels(stream=stream, outcome="ok").inc()
-        m.duration.labels(stream=stream).observe(elapsed)
-        m.added.labels(stream=stream).observe(max(0.0, elapsed - record.latency_s))
+        m.ok[stream].inc()
+        m.durations[stream].observe(elapsed)
+        m.added_by[stream].observe(max(0.0, elapsed - record.latency_s))
         if self._stream and self._first_s >= 0:
             m.ttft.observe(self._first_s)
             if record.ttft_s > 0:
                 m.added_ttft.observe(max(0.0, self._first_s - record.ttft_s))
-        m.tokens.labels(direction="in").inc(len(record.prompt_token_ids) // 4)
+        m.tokens_in.inc(len(record.prompt_token_ids) // 4)
         output = record.output_token_ids or record.output_logprobs
-        m.tokens.labels(direction="out").inc(len(output) // 4)
+        m.tokens_out.inc(len(output) // 4)
 
     def failed(self, err: RollgateError) -> None:
         """The turn ended with an error the client gets."""
