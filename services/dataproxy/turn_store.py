@@ -1,0 +1,200 @@
+"""The turn ledger's storage: a turn's start (episode, lease, version in one script) and its
+append (one script), and the completed interactions of an episode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from services.dataproxy.binding import EpisodeBinder
+from services.dataproxy.episode_state import (
+    BETWEEN_EPISODES,
+    EPISODE_ENDED,
+    HEADER_MODE,
+    MAX_PUBLISH_ATTEMPTS,
+    MAX_RECORD_ATTEMPTS,
+    NEEDS_SESSION,
+    ActiveEpisode,
+    History,
+    KeyLookup,
+    StoreContext,
+    StorePart,
+    session_name,
+    text_of,
+)
+from services.dataproxy.turns import decode_turns, history_entry
+from services.runtime.errors import (
+    InvalidRequest,
+    Unavailable,
+)
+from services.runtime.keys import key_id_of
+from services.runtime.logs import get_logger
+
+log = get_logger(__name__)
+
+
+class TurnStore(StorePart):
+    """Begins and appends turns of active episodes."""
+
+    def __init__(self, ctx: StoreContext, *, lookup: KeyLookup, binder: EpisodeBinder) -> None:
+        super().__init__(ctx)
+        self._lookup = lookup
+        self._binder = binder
+
+    async def begin_turn(
+        self, digest: str, *, session_id: str, token: str, lease_until: float
+    ) -> ActiveEpisode | None:
+        """Resolves the key's (or session's) episode, takes the in-flight lease and keeps the
+        episode's idle deadline at least until the lease's, in one round trip; None while
+        submission is paused (nothing taken).
+
+        A header-mode key's first call with a new session id binds an episode for it first
+        (waiting for capacity like any start); other keys ignore `session_id`.
+        """
+        for _ in range(MAX_PUBLISH_ATTEMPTS):
+            status, key_id, episode, epoch, version, mode = await self._scripts.begin_turn.run(
+                self._redis,
+                [
+                    self._keys.key(digest),
+                    self._keys.paused,
+                    self._keys.in_flight,
+                    self._keys.weight_version,
+                    self._keys.session(key_id_of(digest), session_id)
+                    if session_id
+                    else self._keys.paused,
+                    self._keys.idle,
+                    self._keys.episode_turns,
+                ],
+                [token, repr(lease_until), repr(time.time()), session_id, digest],
+            )
+            if status == b"ok":
+                header = mode == HEADER_MODE.encode()
+                return ActiveEpisode(
+                    digest=digest,
+                    key_id=text_of(key_id),
+                    episode=text_of(episode),
+                    epoch=int(epoch),
+                    weight_version=int(version),
+                    mode=text_of(mode),
+                    client_session_id=session_id if header else "",
+                    lease_token=token,
+                )
+            if status == b"paused":
+                return None
+            if status == b"unknown":
+                raise await self._revoker.refusal(digest)
+            if status == b"not_active":
+                raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
+            if status == b"needs_session":
+                raise InvalidRequest(NEEDS_SESSION, code="session_id_required")
+            await self._binder.start_header_episode(digest, session_name(session_id), int(epoch))
+        raise Unavailable(
+            "the session's episode kept ending while this turn started; retry",
+            code="session_contended",
+            retry_after_s=1.0,
+        )
+
+    async def record_turn(
+        self, episode: ActiveEpisode, *, interaction_id: str, encode: Callable[[int], bytes]
+    ) -> int:
+        """Appends the turn `encode(weight_version_end)` and releases its lease, in one round
+        trip (a second only when the weight version moved while the turn ran)."""
+        version = episode.weight_version
+        for _ in range(MAX_RECORD_ATTEMPTS):
+            status, value = await self._append(
+                episode, interaction_id=interaction_id, record=encode(version), expected=version
+            )
+            if status != b"version":
+                return self._appended(episode, interaction_id, status, value)
+            version = int(value)
+        raise Unavailable(
+            "the weight version kept changing while this turn was recorded; retry",
+            code="version_contended",
+            retry_after_s=1.0,
+        )
+
+    async def active_episode(self, digest: str) -> ActiveEpisode:
+        """The key's active episode and the weight version, in one round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hmget(self._keys.key(digest), "key_id", "state", "episode", "epoch")
+        pipe.get(self._keys.weight_version)
+        (key_id, state, episode, epoch), weight_version = await pipe.execute()
+        if key_id is None:
+            raise await self._revoker.refusal(digest)
+        if state != b"active":
+            raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
+        return ActiveEpisode(
+            digest=digest,
+            key_id=key_id.decode(),
+            episode=text_of(episode),
+            epoch=int(epoch or 0),
+            weight_version=int(weight_version or 0),
+        )
+
+    async def append_turn(
+        self, episode: ActiveEpisode, *, interaction_id: str, record: bytes
+    ) -> int:
+        """Appends a completed turn if its episode is still active; returns its index."""
+        status, index = await self._append(
+            episode, interaction_id=interaction_id, record=record, expected=-1
+        )
+        return self._appended(episode, interaction_id, status, index)
+
+    async def _append(
+        self, episode: ActiveEpisode, *, interaction_id: str, record: bytes, expected: int
+    ) -> tuple[bytes, int]:
+        now = time.time()
+        status, index = await self._scripts.append_turn.run(
+            self._redis,
+            [
+                self._keys.key(episode.digest),
+                self._keys.episode(episode.key_id, episode.episode),
+                self._keys.turns(episode.key_id, episode.episode),
+                self._keys.interaction_index(episode.key_id, episode.episode),
+                self._keys.idle,
+                self._keys.in_flight,
+                self._keys.weight_version,
+                self._keys.episode_turns,
+            ],
+            [
+                episode.episode,
+                episode.epoch,
+                interaction_id,
+                record,
+                repr(now),
+                repr(now + self._policy.session_idle_timeout_s),
+                episode.idle_member,
+                episode.lease_token,
+                expected,
+                episode.mode,
+            ],
+        )
+        return status, int(index)
+
+    def _appended(
+        self, episode: ActiveEpisode, interaction_id: str, status: bytes, index: int
+    ) -> int:
+        if status == b"ended":
+            raise Unavailable(EPISODE_ENDED, code="episode_ended", retry_after_s=1.0)
+        if status == b"duplicate":
+            log.warning(
+                "turn_already_recorded", session_id=episode.episode, interaction_id=interaction_id
+            )
+        return int(index)
+
+    async def history(self, digest: str) -> History:
+        """The completed interactions of the key's current episode (none between episodes)."""
+        key = await self._lookup.resolve(digest)
+        if not key.active:
+            return History(session_id="", entries=[])
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.lrange(self._keys.turns(key.key_id, key.episode), 0, -1)
+        pipe.hgetall(self._keys.rewards(key.key_id, key.episode))
+        turns, rewards = await pipe.execute()
+        entries = []
+        for turn in decode_turns(turns):
+            reward = rewards.get(turn["interaction_id"].encode())
+            entries.append(
+                (turn["interaction_id"], history_entry(turn, float(reward) if reward else None))
+            )
+        return History(session_id=key.episode, entries=entries)
