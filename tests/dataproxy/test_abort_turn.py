@@ -4,8 +4,6 @@ relay, a real dataproxy, worker, mock LLM, Redis)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,6 +21,7 @@ from tests.dataproxy.test_samples_group import (
     group_stack,
 )
 from tests.harness.inprocess import chunk_payloads, collect
+from tests.harness.poll import eventually
 
 DEADLINE_S = 10.0
 
@@ -49,10 +48,11 @@ async def _abort_after_first_tokens(stack: GroupStack, digest: str) -> tuple[lis
     disconnects = stack.mock.stats.disconnects
     found = await _abort(stack, "req-group")
     messages += await collect(call)
-    deadline = time.monotonic() + DEADLINE_S
-    while stack.mock.stats.disconnects <= disconnects:
-        assert time.monotonic() < deadline, "the upstream generation did not stop"
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: stack.mock.stats.disconnects > disconnects,
+        timeout_s=DEADLINE_S,
+        what="the upstream generation stopped",
+    )
     return messages, found
 
 

@@ -32,9 +32,9 @@ from tests.harness.inprocess import (
     DataproxyChain,
     FixedWorker,
     chunk_payloads,
-    eventually,
     running_dataproxy_chain,
 )
+from tests.harness.poll import eventually
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,7 +233,7 @@ async def test_a_stream_broken_midway_is_not_recorded_and_releases_its_lease(
 
     assert isinstance(err, UpstreamError)
     assert await stack.turns(digest) == []
-    await eventually_async(lambda: stack.in_flight(), 0)
+    await eventually(stack.in_flight, want=0)
 
 
 async def test_turn_that_outlives_its_episode_is_refused_and_not_recorded(
@@ -266,14 +266,6 @@ async def _drain(events: Any) -> list[Any]:
     return [event async for event in events]
 
 
-async def eventually_async(read: Any, expected: Any, *, timeout_s: float = 5.0) -> None:
-    """Polls an async `read()` until it returns `expected`."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while (value := await read()) != expected:
-        assert asyncio.get_running_loop().time() < deadline, f"{value} != {expected}"
-        await asyncio.sleep(0.01)
-
-
 async def test_client_cancel_cancels_the_worker_call_and_releases_the_lease(
     stack: Stack,
 ) -> None:
@@ -286,7 +278,7 @@ async def test_client_cancel_cancels_the_worker_call_and_releases_the_lease(
 
     await eventually(lambda: stack.mock.stats.disconnects == 1)
     assert await stack.turns(digest) == []
-    await eventually_async(stack.in_flight, 0)
+    await eventually(stack.in_flight, want=0)
 
 
 async def test_turn_past_its_deadline_times_out_and_is_not_recorded(stack: Stack) -> None:
@@ -297,7 +289,7 @@ async def test_turn_past_its_deadline_times_out_and_is_not_recorded(stack: Stack
     assert isinstance(err, UpstreamTimeout)
     assert await stack.turns(digest) == []
     await eventually(lambda: stack.mock.stats.disconnects == 1)
-    await eventually_async(stack.in_flight, 0)
+    await eventually(stack.in_flight, want=0)
 
 
 async def test_admin_key_cannot_start_a_session(stack: Stack) -> None:

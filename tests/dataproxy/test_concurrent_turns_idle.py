@@ -18,9 +18,10 @@ from services.gateway.relay import Chunks, Done
 from services.runtime.errors import RollgateError, Unavailable
 from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
-from tests.dataproxy.test_control import running_proxy, until
+from tests.dataproxy.test_control import running_proxy
 from tests.dataproxy.test_sessions import ADMIN_KEY, turn_record
 from tests.harness.inprocess import collect
+from tests.harness.poll import eventually
 
 IDLE_S = 30.0
 
@@ -174,7 +175,7 @@ async def test_a_long_turn_is_recorded_when_a_shorter_concurrent_one_ends_first(
         async def published() -> bool:
             return bool(await proxy.redis.xlen(proxy.keys.trajectories))
 
-        await until(published)
+        await eventually(published)
         entries: Any = await proxy.redis.xrange(proxy.keys.trajectories)
         ((_, fields),) = entries
         trajectory = msgpack.unpackb(fields[b"data"], raw=False)
@@ -196,5 +197,5 @@ async def test_a_failed_turn_leaves_no_running_count(redis_url: str, key_prefix:
         async def released() -> bool:
             return (await proxy.stats()).in_flight == 0
 
-        await until(released)
+        await eventually(released)
         assert await running_turns(proxy.redis, proxy.keys, member) is None

@@ -24,6 +24,7 @@ from tests.harness.inprocess import (
     collect,
     running_dataproxy_chain,
 )
+from tests.harness.poll import eventually
 
 AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
 
@@ -57,13 +58,6 @@ def running_proxy(
     )
 
 
-async def until(check: Any, *, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_releases_them(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -78,7 +72,7 @@ async def test_pause_waits_for_turns_in_flight_then_new_turns_wait_and_resume_re
                 trainer_pb2.PauseSubmissionRequest(timeout_s=10), metadata=AUTH, timeout=20
             )
         )
-        await until(lambda: _is_paused(proxy))
+        await eventually(lambda: _is_paused(proxy))
         assert not pause.done()  # the running turn holds it
         rest = await collect(running)
         assert isinstance(rest[-1], Done)  # the running turn finished and was recorded
@@ -289,7 +283,7 @@ async def test_a_turn_longer_than_the_idle_timeout_is_recorded_not_reaped_mid_tu
         async def published() -> bool:
             return bool(await proxy.redis.xlen(proxy.keys.trajectories))
 
-        await until(published)
+        await eventually(published)
         entries: Any = await proxy.redis.xrange(proxy.keys.trajectories)
         ((_, fields),) = entries
         trajectory = msgpack.unpackb(fields[b"data"], raw=False)

@@ -19,6 +19,7 @@ from services.runtime.errors import Conflict, InvalidRequest, TooManyRequests
 from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
 from tests.dataproxy.test_sessions import ADMIN_KEY, stream_entries, turn_record
+from tests.harness.poll import eventually
 
 
 @pytest.fixture
@@ -115,11 +116,13 @@ async def test_the_idle_reaper_publishes_an_abandoned_session_once(
     for sid in ("idle-a", "idle-b"):
         await record(store, await begin(store, digest, sid, f"t-{sid}"), f"i-{sid}")
     reaper = Reaper(store=store, interval_s=0.05)
-    deadline = time.monotonic() + 5
     ended: list[str] = []
-    while len(ended) < 2:
-        assert time.monotonic() < deadline, ended
-        ended += [p.session_id for p in (await reaper.sweep()).idle]
+
+    async def both_ended() -> bool:
+        ended.extend(p.session_id for p in (await reaper.sweep()).idle)
+        return len(ended) >= 2
+
+    await eventually(both_ended, timeout_s=5, interval_s=0, what="both sessions reaped")
     assert sorted(ended) == ["idle-a", "idle-b"]
     assert not (await reaper.sweep()).idle
     entries = await stream_entries(redis_client, keys)

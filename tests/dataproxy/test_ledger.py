@@ -20,9 +20,9 @@ from tests.harness.inprocess import (
     RPC_TIMEOUT_S,
     DataproxyChain,
     collect,
-    eventually,
     running_dataproxy_chain,
 )
+from tests.harness.poll import eventually
 
 REQUEST = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
 
@@ -75,13 +75,6 @@ def fresh_ledger(chain: Chain) -> LedgerClient:
     return LedgerClient(stub)
 
 
-async def until_released(chain: Chain) -> None:
-    deadline = asyncio.get_running_loop().time() + 5.0
-    while await chain.in_flight():
-        assert asyncio.get_running_loop().time() < deadline, "the lease was not released"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_record_sent_twice_is_recorded_once(chain: Chain) -> None:
     digest = await chain.start()
     admitted = await chain.begin(chain.ledger, digest)
@@ -113,7 +106,7 @@ async def test_turns_of_a_gateway_that_went_away_are_released(chain: Chain) -> N
 
     await gateway.close()
 
-    await until_released(chain)
+    await eventually(chain.in_flight, want=0, what="the lease released")
     assert await chain.redis.hlen(chain.keys.episode_turns) == 0
 
 

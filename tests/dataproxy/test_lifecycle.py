@@ -20,6 +20,7 @@ from services.runtime.errors import Conflict, TooManyRequests, Unavailable
 from services.runtime.keys import key_digest, key_id_of
 from services.runtime.secret import Secret
 from tests.dataproxy.test_sessions import ADMIN_KEY, chat, decode, stream_entries, turn_record
+from tests.harness.poll import eventually
 
 StoreFactory = Callable[..., SessionStore]
 
@@ -74,13 +75,6 @@ async def one_turn_episode(store: SessionStore) -> tuple[StartedSession, str]:
     started = await store.start(task_id="t", api_key="")
     await chat(store, started.api_key, "c1")
     return started, key_digest(started.api_key)
-
-
-async def eventually(check: Callable[[], Any], *, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 # -- capacity ----------------------------------------------------------------------------
@@ -199,15 +193,26 @@ async def test_a_second_refresh_while_one_waits_for_capacity_gets_429_at_once(
 
 
 async def test_a_waiting_refresh_keeps_its_short_lived_marker_alive(
-    make_store: StoreFactory, control: Control
+    make_store: StoreFactory, control: Control, redis_client: aioredis.Redis, keys: RedisKeys
 ) -> None:
     store = make_store(refresh_timeout_s=10.0, refresh_lock_s=0.3)
     await control.grant(1)
     started = await store.start(task_id="t", api_key="")
     waiting = asyncio.create_task(store.start(task_id="", api_key=started.api_key))
-    # A window that proves the marker does NOT expire while its holder lives: more than three
-    # marker lifetimes.
-    await asyncio.sleep(1.0)
+    marker = keys.refreshing(key_digest(started.api_key))
+    token = await eventually(lambda: redis_client.get(marker), what="the refresh marker")
+    # The holder extends the marker every third of its 0.3 s lifetime: nine extensions seen
+    # (its TTL going up), the same token at every look, span three lifetimes.
+    extensions, last_ttl = 0, await redis_client.pttl(marker)
+
+    async def extended_nine_times() -> bool:
+        nonlocal extensions, last_ttl
+        assert await redis_client.get(marker) == token, "the marker expired while its holder lived"
+        ttl = await redis_client.pttl(marker)
+        extensions, last_ttl = extensions + (ttl > last_ttl), ttl
+        return extensions >= 9
+
+    await eventually(extended_nine_times, interval_s=0.01, what="nine marker extensions")
     with pytest.raises(TooManyRequests):
         await store.start(task_id="", api_key=started.api_key)
     await control.grant(1)

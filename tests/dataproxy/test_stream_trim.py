@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -12,6 +9,7 @@ import redis.asyncio as aioredis
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.stream_trim import StreamTrimmer
+from tests.harness.poll import eventually
 
 
 @pytest.fixture
@@ -39,14 +37,6 @@ async def read(
 async def remaining(redis: aioredis.Redis, keys: RedisKeys) -> list[str]:
     entries: Any = await redis.xrange(keys.trajectories)
     return [entry_id.decode() for entry_id, _fields in entries]
-
-
-async def eventually(probe: Callable[[], Awaitable[object]], *, want: object) -> None:
-    """Polls `probe` until it returns `want`, for at most 10 s."""
-    deadline = time.monotonic() + 10
-    while (value := await probe()) != want:
-        assert time.monotonic() < deadline, f"still {value!r}, wanted {want!r}"
-        await asyncio.sleep(0.02)
 
 
 async def failures_at_least(trimmer: StreamTrimmer, count: int) -> bool:

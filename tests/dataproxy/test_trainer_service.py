@@ -27,6 +27,7 @@ from services.dataproxy.trajectory import (
 )
 from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
+from tests.harness.poll import eventually
 
 ADMIN_KEY = "admin-" + "a" * 32
 TRAINER_KEY = "trainer-" + "b" * 32
@@ -248,11 +249,12 @@ async def test_a_dead_consumers_pending_entries_are_reclaimed(make_stack: StackF
     async with stack.client() as tc:
         assert len(await collect(tc, "ppo", "dead", max_count=1)) == 1
 
-    reclaimed: list[PulledTrajectory] = []
-    deadline = time.monotonic() + 10
     async with stack.client() as tc:
-        while not reclaimed and time.monotonic() < deadline:
-            reclaimed = await collect(tc, "ppo", "alive", max_count=1, idle_s=0.2)
+        reclaimed: list[PulledTrajectory] = await eventually(
+            lambda: collect(tc, "ppo", "alive", max_count=1, idle_s=0.2),
+            interval_s=0,
+            what="t0 reclaimed",
+        )
 
     assert [p.trajectory.trajectory_id for p in reclaimed] == ["t0"]
     consumers = await stack.redis.xinfo_consumers(stack.keys.trajectories, "ppo")
@@ -381,14 +383,12 @@ async def test_an_unreachable_redis_is_reported_as_unavailable(make_stack: Stack
 
 
 async def wait_for_group(stack: Stack, group: str) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    async def exists() -> bool:
         groups = (
             await stack.redis.xinfo_groups(stack.keys.trajectories)
             if await stack.redis.exists(stack.keys.trajectories)
             else []
         )
-        if any(g["name"].decode() == group for g in groups):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"group {group} never appeared")
+        return any(g["name"].decode() == group for g in groups)
+
+    await eventually(exists, what=f"group {group}")

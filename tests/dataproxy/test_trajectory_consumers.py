@@ -8,7 +8,6 @@ import os
 import signal
 import struct
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from services.dataproxy.trainer_servicer import TrainerServicer
 from services.dataproxy.trajectory import CODEC, EpisodeInfo, build_trajectory, encode_trajectory
 from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
+from tests.harness.poll import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "admin-consumers-" + "c" * 24
@@ -137,11 +137,13 @@ async def pull_until(
 ) -> list[PulledTrajectory]:
     """Pulls (idle-bounded rounds) until `want` trajectories came, for at most 20 s."""
     got: list[PulledTrajectory] = []
-    deadline = time.monotonic() + 20
-    while len(got) < want:
-        assert time.monotonic() < deadline, f"only {len(got)} of {want} arrived"
+
+    async def arrived() -> bool:
         async with asyncio.timeout(30):
-            got += [item async for item in tc.pull(group, consumer, idle_timeout_s=0.3)]
+            got.extend([item async for item in tc.pull(group, consumer, idle_timeout_s=0.3)])
+        return len(got) >= want
+
+    await eventually(arrived, timeout_s=20, interval_s=0, what=f"{want} trajectories pulled")
     return got
 
 
@@ -189,13 +191,16 @@ async def test_a_reclaimed_copy_of_a_trajectory_already_trained_on_is_dropped_an
         assert held == ["t0"]
 
         later = await pull_until(tc, "ppo", "survivor", want=1)
-        deadline = time.monotonic() + 20
-        while (pending := await trainer.pending_by_consumer("ppo")) != {
-            "doomed": 0,
-            "survivor": 1,
-        }:
-            assert time.monotonic() < deadline, f"pending stayed {pending}"
-            later += [item async for item in tc.pull("ppo", "survivor", idle_timeout_s=0.3)]
+
+        async def pending() -> dict[str, int]:
+            found: dict[str, int] = await trainer.pending_by_consumer("ppo")
+            if found != {"doomed": 0, "survivor": 1}:
+                later.extend(
+                    [item async for item in tc.pull("ppo", "survivor", idle_timeout_s=0.3)]
+                )
+            return found
+
+        await eventually(pending, want={"doomed": 0, "survivor": 1}, timeout_s=20, interval_s=0)
 
     assert [item.trajectory.trajectory_id for item in later] == ["t1"]
 

@@ -35,9 +35,9 @@ from tests.harness.inprocess import (
     DataproxyChain,
     chunk_payloads,
     collect,
-    eventually,
     running_dataproxy_chain,
 )
+from tests.harness.poll import eventually
 
 AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
 # Long enough that the reply streams for about a second at the token interval below.
@@ -167,11 +167,13 @@ async def test_a_non_streaming_turn_keeps_the_admission_version_and_records_the_
         running = asyncio.ensure_future(
             stack.complete(digest, LONG_TEXT, request_id="req-versions")
         )
+
         # Admitted (its in-flight lease exists) while the mock still holds the answer back.
-        deadline = time.monotonic() + 5.0
-        while not await stack.redis.zcard(stack.keys.in_flight):
-            assert time.monotonic() < deadline and not running.done()
-            await asyncio.sleep(0.01)
+        async def admitted() -> int:
+            assert not running.done()
+            return int(await stack.redis.zcard(stack.keys.in_flight))
+
+        await eventually(admitted, what="the turn admitted")
         await stack.set_version(2)
         await running
         (turn,) = await stack.turns(digest)

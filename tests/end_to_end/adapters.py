@@ -6,8 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +82,6 @@ async def drained(stack: Stack, group: str) -> None:
         items = [p async for p in tc.pull(group, "drain", idle_timeout_s=0.5)]
         if items:
             await tc.ack(group, [p.stream_id for p in items])
-
-
-async def until(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0) -> None:
-    """Polls `check` until it holds (or fails the test at the deadline)."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 def expected_row(

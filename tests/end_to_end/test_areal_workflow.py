@@ -42,9 +42,9 @@ from tests.end_to_end.adapters import (
     export,
     grouped_stack,
     traffic,
-    until,
 )
 from tests.harness.inprocess import serving_trainer
+from tests.harness.poll import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +72,7 @@ async def episodes_from(
         before = max(0, (await tc.stats()).capacity)  # -1 (unlimited) until a first grant
     calls = [asyncio.create_task(wf.arun_episode(None, {})) for _ in range(count)]
     # Agents start once the calls granted them capacity (as AReaL's executor runs them).
-    await until(lambda: _capacity_is(stack, before + count))
+    await eventually(lambda: _capacity_is(stack, before + count), timeout_s=20)
     sent = await traffic(stack, count, **traffic_args)
     assert len(sent) == count
     async with asyncio.timeout(60):
@@ -226,7 +226,7 @@ async def test_an_episode_that_ended_empty_returns_none(stack: Stack) -> None:
     wf = workflow(stack, "empty")
     try:
         call = asyncio.create_task(wf.arun_episode(None, {}))
-        await until(lambda: _capacity_is(stack, 1))
+        await eventually(lambda: _capacity_is(stack, 1), timeout_s=20)
         started = await asyncio.to_thread(
             _post, stack, "/rl/start_session", stack.config.admin_key, {"task_id": "quiet"}
         )
@@ -244,7 +244,9 @@ async def test_episode_groups_are_granted_whole_and_returned_as_consecutive_rows
     wf = workflow(stack, "groups", episode_group_size=2)
     try:
         call = asyncio.create_task(wf.arun_episode(None, {}))
-        await until(lambda: _capacity_is(stack, 2))  # one grant of two: all or none
+        await eventually(
+            lambda: _capacity_is(stack, 2), timeout_s=20
+        )  # one grant of two: all or none
         sent = await traffic(stack, 2, group_size=2)
         async with asyncio.timeout(30):
             result = await call
@@ -293,7 +295,7 @@ async def test_a_restarted_trainer_gets_back_what_it_had_not_taken_and_not_what_
     )
     try:
         # The trainer's one call granted (once it imported AReaL and torch: seconds).
-        await until(lambda: _capacity_is(stack, 1), timeout_s=180)
+        await eventually(lambda: _capacity_is(stack, 1), timeout_s=180)
         async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
             await tc.grant_capacity(1)  # an agent that starts without a call waiting
         await traffic(stack, 2, task_id="restart")
@@ -301,7 +303,7 @@ async def test_a_restarted_trainer_gets_back_what_it_had_not_taken_and_not_what_
         taken = (await asyncio.wait_for(trainer.stdout.readline(), 60)).decode().strip()
         assert taken.startswith("traj-")
         # The episode it took is acked; the second was delivered to it and is pending.
-        await until(lambda: _stats_match(stack, "restart", pending=1))
+        await eventually(lambda: _stats_match(stack, "restart", pending=1), timeout_s=20)
     finally:
         trainer.send_signal(signal.SIGKILL)  # a crash: nothing is flushed
         await trainer.wait()
@@ -317,7 +319,7 @@ async def test_a_restarted_trainer_gets_back_what_it_had_not_taken_and_not_what_
         assert result is not None
         assert {v.rollgate.trajectory_id for v in result.values()} == {other}
         check_episode(result, lines[other], gamma=1.0)
-        await until(lambda: _stats_match(stack, "restart", pending=0))
+        await eventually(lambda: _stats_match(stack, "restart", pending=0), timeout_s=20)
     finally:
         await _return_grant(stack)  # this call granted one episode no agent will use
         await wf.aclose()
@@ -357,7 +359,7 @@ async def test_what_was_pulled_but_not_taken_comes_back_to_the_next_life_only(
             async with asyncio.timeout(1.5):
                 await source.take()
         await source.aclose()
-    await until(lambda: _stats_match(stack, "life", pending=0))
+    await eventually(lambda: _stats_match(stack, "life", pending=0), timeout_s=20)
 
 
 async def test_a_dataproxy_restart_neither_loses_nor_repeats_an_episode(stack: Stack) -> None:
@@ -365,7 +367,7 @@ async def test_a_dataproxy_restart_neither_loses_nor_repeats_an_episode(stack: S
     wf = workflow(stack, "reconnect", consumer="pod-r")
     try:
         calls = [asyncio.create_task(wf.arun_episode(None, {})) for _ in range(2)]
-        await until(lambda: _capacity_is(stack, 2))
+        await eventually(lambda: _capacity_is(stack, 2), timeout_s=20)
         await traffic(stack, 1, task_id="reconnect")
         async with asyncio.timeout(30):
             first = await calls[0]

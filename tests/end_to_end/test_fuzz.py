@@ -38,6 +38,7 @@ from services.gateway.messages_translate import is_messages_path
 from services.gateway.settings import GatewaySettings
 from services.runtime.secret import Secret
 from tests.end_to_end.test_lifecycle import published
+from tests.harness.poll import eventually_sync
 from tests.harness.processes import log_level_env, stack_config
 
 pytestmark = pytest.mark.e2e
@@ -572,12 +573,11 @@ def test_after_the_fuzz_a_normal_session_is_still_published(target: FuzzTarget) 
 
     assert_ready(stack)
     session_id = asyncio.run(session())
-    deadline = time.monotonic() + 30
-    while True:
-        mine = [t for t in published(stack) if t.get("session_id") == session_id]
-        if mine or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    mine = eventually_sync(
+        lambda: [t for t in published(stack) if t.get("session_id") == session_id],
+        timeout_s=30,
+        what="the session after the fuzz published",
+    )
     assert len(mine) == 1, "the session after the fuzz was not published exactly once"
     assert mine[0]["final_reward"] == 0.5 and len(mine[0]["interactions"]) == 1
     assert all(count >= MIN_CASES for count in target.cases.values()), target.cases

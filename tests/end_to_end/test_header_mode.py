@@ -7,19 +7,22 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
-import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from rollgate.stack import Stack
+from services.dataproxy.redis_keys import RedisKeys
+from services.runtime.keys import key_digest
 from tests.end_to_end.test_lifecycle import _stack, published
 from tests.end_to_end.test_walkthrough import chat_body
 from tests.examples import zeroclaw_facts as zeroclaw
 from tests.examples.conftest import EXAMPLES_DIR
+from tests.harness.poll import eventually_sync
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,20 @@ def post(
     data = resp.read()
     conn.close()
     return resp.status, data
+
+
+def waiting_episodes(stack: Stack, key: str) -> list[bytes]:
+    """The key's episodes the reaper could still end and publish (`P idle`, `P awaiting_reward`)."""
+    keys = RedisKeys(stack.config.redis_prefix)
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        members: list[bytes] = [
+            *client.zrange(keys.idle, 0, -1),  # type: ignore[misc]
+            *client.zrange(keys.awaiting_reward, 0, -1),  # type: ignore[misc]
+        ]
+    finally:
+        client.close()
+    return [m for m in members if m.startswith(f"{key_digest(key)}/".encode())]
 
 
 def test_several_header_mode_episodes_are_published_exactly_once_each(claw_stack: Stack) -> None:
@@ -65,12 +82,15 @@ def test_several_header_mode_episodes_are_published_exactly_once_each(claw_stack
     status, raw = post(claw_stack, chat, chat_body("no id"), key, {})
     assert status == 400 and b"X-Session-Id" in raw
 
-    deadline = time.monotonic() + 20
-    while len(published(claw_stack)) - before < 5:
-        assert time.monotonic() < deadline, "the idle session was never published"
-        time.sleep(0.1)
-    # A window that proves nothing is published twice: a few more reaper sweeps.
-    time.sleep(0.6)
+    eventually_sync(
+        lambda: len(published(claw_stack)) - before >= 5,
+        timeout_s=20,
+        interval_s=0.1,
+        what="the idle session published",
+    )
+    # Nothing of this key can be published again: the reaper publishes only what `P idle` or
+    # `P awaiting_reward` holds, and no client call is left.
+    assert waiting_episodes(claw_stack, key) == []
     trajectories = published(claw_stack)[before:]
     by_session = {t["session_id"]: t for t in trajectories}
     assert len(trajectories) == 5 and len(by_session) == 5
@@ -123,14 +143,17 @@ def test_zeroclaw_requests_built_from_both_example_files_are_recorded(claw_stack
     trajectory_id = json.loads(raw)["trajectory_id"]
 
     session = header.extra_headers["X-Session-Id"]
-    deadline = time.monotonic() + 20
-    while True:
+
+    def both_published() -> bool:
         found = {t["trajectory_id"]: t for t in published(claw_stack)}
         by_session = {t["session_id"]: t for t in found.values() if t["task_id"] == "zc-header"}
-        if trajectory_id in found and session in by_session:
-            break
-        assert time.monotonic() < deadline, "the ZeroClaw episodes were not published"
-        time.sleep(0.1)
+        return trajectory_id in found and session in by_session
+
+    eventually_sync(
+        both_published, timeout_s=20, interval_s=0.1, what="the ZeroClaw episodes published"
+    )
+    found = {t["trajectory_id"]: t for t in published(claw_stack)}
+    by_session = {t["session_id"]: t for t in found.values() if t["task_id"] == "zc-header"}
     assert len(found[trajectory_id]["interactions"]) == 2
     assert by_session[session]["end_reason"] == "session_done"
     assert len(by_session[session]["interactions"]) == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import redis
 from rollgate.stack import Stack
 from rollgate.trajectory import inline_content
 from tests.end_to_end.test_walkthrough import chat_body, request
+from tests.harness.poll import eventually_sync
 from tests.harness.processes import stack_config
 
 RETRY_DEADLINE_S = 30.0
@@ -43,13 +43,15 @@ def idle_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def call(stack: Stack, path: str, body: Any, key: str, *, ok: tuple[int, ...] = (200,)) -> Any:
     """POSTs until the status is one of `ok`; 503s (a restarting dataproxy) are retried."""
-    deadline = time.monotonic() + RETRY_DEADLINE_S
-    while True:
+
+    def answered() -> tuple[int, bytes] | None:
         status, _, raw = request(stack, "POST", path, body, key)
         if status in ok:
             return status, raw
-        assert status == 503 and time.monotonic() < deadline, (status, raw)
-        time.sleep(0.1)
+        assert status == 503, (status, raw)
+        return None
+
+    return eventually_sync(answered, timeout_s=RETRY_DEADLINE_S, interval_s=0.1, what=path)
 
 
 def start(stack: Stack, api_key: str = "") -> dict[str, Any]:
@@ -156,10 +158,7 @@ def test_a_restarted_replicas_reaper_publishes_the_idle_episode_and_the_key_stay
     chat(idle_stack, key, "then silence")
     kill_and_restart_dataproxy(idle_stack)
 
-    deadline = time.monotonic() + 20
-    while not published(idle_stack):
-        assert time.monotonic() < deadline, "the idle episode was never published"
-        time.sleep(0.1)
+    eventually_sync(lambda: published(idle_stack), timeout_s=20, what="the idle episode published")
     (trajectory,) = published(idle_stack)
     assert trajectory["session_id"] == started["session_id"]
     assert trajectory["end_reason"] == "idle"

@@ -4,7 +4,6 @@ and no answered turn lost."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from rollgate.redis_server import RedisServer
 from rollgate.stack import Stack
 from tests.end_to_end.test_lifecycle import published
+from tests.harness.poll import eventually
 from tests.harness.processes import log_level_env, stack_config
 
 pytestmark = pytest.mark.e2e
@@ -97,10 +97,7 @@ async def _client(
 
 
 async def _until(check: Any, what: str) -> None:
-    deadline = time.monotonic() + PHASE_DEADLINE_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
+    await eventually(check, timeout_s=PHASE_DEADLINE_S, interval_s=0.05, what=what)
 
 
 async def _run(redis: RedisServer, stack: Stack) -> Load:
@@ -131,13 +128,12 @@ async def _run(redis: RedisServer, stack: Stack) -> Load:
 
         # End every episode (retrying the transient 503s of a just-restarted stack).
         for key in keys:
-            deadline = time.monotonic() + PHASE_DEADLINE_S
-            while True:
+
+            async def ended(key: str = key) -> bytes | None:
                 status, _, raw = await _post(http, stack, "/rl/end_session", key, {})
-                if status == 200 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            assert status == 200, raw
+                return raw if status == 200 else None
+
+            await eventually(ended, timeout_s=PHASE_DEADLINE_S, interval_s=0.1, what="end_session")
     return load
 
 

@@ -11,12 +11,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from rollgate.redis_server import free_port
+from tests.harness.poll import eventually_sync
 from tests.harness.secret_scan import ISSUED
 
 ROLLGATE = str(Path(sys.executable).parent / "rollgate")
@@ -36,16 +37,19 @@ def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
 
 def _read_until(lines: queue.Queue[str], marker: str, timeout_s: float) -> list[str]:
     seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def printed() -> bool:
         try:
-            line = lines.get(timeout=0.2)
+            seen.append(lines.get(timeout=0.2))
         except queue.Empty:
-            continue
-        seen.append(line)
-        if marker in line:
-            return seen
-    raise AssertionError(f"{marker!r} not printed in {timeout_s}s:\n{''.join(seen)}")
+            return False
+        return marker in seen[-1]
+
+    try:
+        eventually_sync(printed, timeout_s=timeout_s, interval_s=0)
+    except AssertionError:
+        raise AssertionError(f"{marker!r} not printed in {timeout_s}s:\n{''.join(seen)}") from None
+    return seen
 
 
 def _port_open(port: int) -> bool:
@@ -156,20 +160,18 @@ def _post(url: str, key: str, body: dict[str, object]) -> tuple[int, dict[str, o
 def _chat_until_ok(gateway: str, key: str, timeout_s: float = 60.0) -> dict[str, object]:
     """A chat turn, retried while the stack recovers (503s), until it answers 200."""
     body = {"model": "rollgate-mock", "messages": [{"role": "user", "content": "hi"}]}
-    deadline = time.monotonic() + timeout_s
-    status, answer = 0, {}
-    while time.monotonic() < deadline:
+
+    def answered() -> dict[str, object] | None:
         status, answer = _post(f"{gateway}/v1/chat/completions", key, body)
-        if status == 200:
-            return answer
-        assert status in (502, 503), answer
-        time.sleep(0.2)
-    raise AssertionError(f"no chat answered in {timeout_s}s: {status} {answer}")
+        assert status in (200, 502, 503), answer
+        return answer if status == 200 else None
+
+    return eventually_sync(answered, timeout_s=timeout_s, interval_s=0.2, what="a chat answered")
 
 
 def _pid_of(predicate: object, timeout_s: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def found() -> int | None:
         for proc_dir in Path("/proc").iterdir():
             if not proc_dir.name.isdigit():
                 continue
@@ -180,18 +182,17 @@ def _pid_of(predicate: object, timeout_s: float = 10.0) -> int:
                 continue
             if callable(predicate) and predicate(cmdline, environ):
                 return int(proc_dir.name)
-        time.sleep(0.05)
-    raise AssertionError("process not found")
+        return None
+
+    return eventually_sync(found, timeout_s=timeout_s, what="the process")
 
 
 def _files_contain(directory: Path, needle: bytes, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for path in directory.rglob("*"):
-            if path.is_file() and needle in path.read_bytes():
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"{needle!r} never reached the files under {directory}")
+    eventually_sync(
+        lambda: any(p.is_file() and needle in p.read_bytes() for p in directory.rglob("*")),
+        timeout_s=timeout_s,
+        what=f"{needle!r} in the files under {directory}",
+    )
 
 
 def test_rollgate_up_restarts_a_killed_worker_and_a_killed_embedded_redis(
@@ -222,20 +223,20 @@ def test_rollgate_up_restarts_a_killed_worker_and_a_killed_embedded_redis(
     lines = _lines(proc)
     try:
         # stack.json: never this run's before /ready answers 200, never the stale one after.
-        deadline = time.monotonic() + 90
-        seen_ours = False
-        while time.monotonic() < deadline and not seen_ours:
+
+        def ours() -> dict[str, Any] | None:
             try:
-                state = json.loads((tmp_path / "stack.json").read_text())
+                state: dict[str, Any] = json.loads((tmp_path / "stack.json").read_text())
             except (OSError, ValueError):
                 state = {}
-            if state.get("pid") == proc.pid:
-                with urllib.request.urlopen(f"{state['gateway_url']}/ready", timeout=5) as resp:
-                    assert resp.status == 200, "stack.json was written before /ready answered"
-                seen_ours = True
             assert proc.poll() is None, "rollgate up exited during start-up"
-            time.sleep(0.02)
-        assert seen_ours
+            if state.get("pid") != proc.pid:
+                return None
+            with urllib.request.urlopen(f"{state['gateway_url']}/ready", timeout=5) as resp:
+                assert resp.status == 200, "stack.json was written before /ready answered"
+            return state
+
+        state = eventually_sync(ours, timeout_s=90, interval_s=0.02, what="this run's stack.json")
         _read_until(lines, "Ctrl-C stops everything", 30)
         gateway = f"http://127.0.0.1:{port}"
         status, started = _post(f"{gateway}/rl/start_session", admin_key, {})

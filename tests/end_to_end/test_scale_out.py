@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from rollgate.stack import Stack
 from rollgate.trajectory import Trajectory, decode_trajectory
 from services.runtime.keys import key_digest, key_id_of
+from tests.harness.poll import eventually
 from tests.harness.processes import log_level_env, stack_config
 
 pytestmark = pytest.mark.e2e
@@ -460,11 +461,15 @@ class Run:
     async def progress(self, turns: int, what: str) -> None:
         """Polls until `turns` more turns were answered, within the step deadline."""
         target = len(self.ledger.answered) + turns
-        deadline = time.monotonic() + STEP_DEADLINE_S
-        while len(self.ledger.answered) < target:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no progress {what}\n{self.ledger.summary()}")
-            await asyncio.sleep(0.05)
+        try:
+            await eventually(
+                lambda: len(self.ledger.answered) >= target,
+                timeout_s=STEP_DEADLINE_S,
+                interval_s=0.05,
+                what=f"progress {what}",
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{self.ledger.summary()}") from None
 
     async def kill(self, name: str) -> None:
         """SIGKILLs one replica while turns are in flight."""

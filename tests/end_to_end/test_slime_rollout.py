@@ -38,8 +38,8 @@ from tests.end_to_end.adapters import (
     export,
     grouped_stack,
     traffic,
-    until,
 )
+from tests.harness.poll import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -118,7 +118,7 @@ async def test_a_rollout_versions_resumes_pulls_a_batch_of_call_groups_and_pause
     async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
         await tc.pause_submission(1.0)  # where the previous rollout left it
         running = asyncio.create_task(rollout(args, 3))
-        await until(lambda: _stats(stack, lambda s: not s.paused))  # resumed
+        await eventually(lambda: _stats(stack, lambda s: not s.paused), timeout_s=20)  # resumed
         assert (await tc.stats()).weight_version == 3  # the version slime trains from
         sent = await traffic(stack, 2, task_id="batch")
         async with asyncio.timeout(60):
@@ -126,7 +126,7 @@ async def test_a_rollout_versions_resumes_pulls_a_batch_of_call_groups_and_pause
         stats = await tc.stats()
     assert stats.paused  # slime syncs weights next: agents wait
     # Every episode's groups reached slime: acked (in the background, just after).
-    await until(lambda: _stats(stack, lambda s: s.pending == 0))
+    await eventually(lambda: _stats(stack, lambda s: s.pending == 0), timeout_s=20)
     lines = export(stack, tmp_path / "all.jsonl")
     groups = output.samples
     # Two episodes x two calls = four groups of N_SAMPLES, in arrival order.
@@ -186,7 +186,7 @@ async def test_a_batch_that_ends_inside_an_episode_acks_it_only_with_its_last_gr
     await drained(stack, "split")
     args = slime_args(stack, "split", rollout_batch_size=3)
     running = asyncio.create_task(rollout(args, 5))
-    await until(lambda: _stats(stack, lambda s: not s.paused))
+    await eventually(lambda: _stats(stack, lambda s: not s.paused), timeout_s=20)
     await traffic(stack, 2, task_id="split")
     async with asyncio.timeout(60):
         first = await running
@@ -202,14 +202,14 @@ async def test_a_batch_that_ends_inside_an_episode_acks_it_only_with_its_last_gr
         second.samples[0][0].metadata["trajectory_id"]
         == (first.samples[-1][0].metadata["trajectory_id"])
     )
-    await until(lambda: _stats(stack, lambda s: s.pending == 0))
+    await eventually(lambda: _stats(stack, lambda s: s.pending == 0), timeout_s=20)
 
 
 async def test_one_episode_one_group_and_a_timeout_still_pauses(stack: Stack) -> None:
     await drained(stack, "episodes")
     args = slime_args(stack, "episodes", rollout_batch_size=1, rollgate_group_by="episode")
     running = asyncio.create_task(rollout(args, 7))
-    await until(lambda: _stats(stack, lambda s: not s.paused))
+    await eventually(lambda: _stats(stack, lambda s: not s.paused), timeout_s=20)
     await traffic(stack, 1, task_id="episodes")
     async with asyncio.timeout(60):
         output = await running
@@ -227,7 +227,7 @@ async def test_replaying_an_export_gives_the_same_samples(stack: Stack, tmp_path
     dump = tmp_path / "dump.jsonl"
     live_args = slime_args(stack, "replay", rollout_batch_size=2, rollgate_dump=str(dump))
     running = asyncio.create_task(rollout(live_args, 9))
-    await until(lambda: _stats(stack, lambda s: not s.paused))
+    await eventually(lambda: _stats(stack, lambda s: not s.paused), timeout_s=20)
     await traffic(stack, 1, task_id="replay")
     async with asyncio.timeout(60):
         live = await running

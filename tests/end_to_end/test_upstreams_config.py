@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -17,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from rollgate.redis_server import free_port
 from rollgate.stack import Stack
-from rollgate.trajectory import Interaction, decode_trajectory
+from rollgate.trajectory import Interaction
 from services.runtime.config import load_config
-from tests.harness.processes import stack_config
+from tests.harness.poll import eventually_sync
+from tests.harness.processes import published_interactions, stack_config
 
 HOSTED_KEY = "sk-e2e-hosted-" + uuid.uuid4().hex
 VLLM_MODEL = "Qwen/Qwen3-8B"
@@ -68,16 +67,15 @@ def mocks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
                 )
             )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
         for port in ports.values():
-            while True:
+
+            def up(port: int = port) -> bool:
                 try:
-                    if call(f"http://127.0.0.1:{port}/mock/stats")[0] == 200:
-                        break
+                    return call(f"http://127.0.0.1:{port}/mock/stats")[0] == 200
                 except OSError:
-                    pass
-                assert time.monotonic() < deadline, "mock LLM did not start"
-                time.sleep(0.05)
+                    return False
+
+            eventually_sync(up, timeout_s=30, what="the mock LLM started")
         yield ports
     finally:
         for process in processes:
@@ -138,20 +136,7 @@ def chat(stack: Stack, key: str, model: str, *, stream: bool) -> tuple[int, byte
 
 
 def published(stack: Stack, trajectory_id: str) -> list[Interaction]:
-    client = redis.Redis.from_url(stack.redis_url)
-    deadline = time.monotonic() + 10
-    try:
-        while time.monotonic() < deadline:
-            stream = f"{stack.config.redis_prefix}trajectories"
-            entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(stream)  # type: ignore[assignment]
-            for _, fields in entries:
-                if fields[b"trajectory_id"].decode() == trajectory_id:
-                    trajectory = decode_trajectory(fields[b"data"], fields[b"codec"].decode())
-                    return sorted(trajectory.interactions, key=lambda i: i.index)
-            time.sleep(0.05)
-    finally:
-        client.close()
-    raise AssertionError(f"trajectory {trajectory_id} was not published")
+    return published_interactions(stack, trajectory_id, timeout_s=10)
 
 
 def test_two_upstreams_an_alias_and_a_key_from_one_config_file(

@@ -18,6 +18,7 @@ import redis
 
 from rollgate.stack import Stack
 from rollgate.trajectory import inline_content
+from tests.harness.poll import eventually_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "openclaw"
@@ -103,12 +104,10 @@ def stream_len(stack: Stack) -> int:
 
 
 def wait_for_stream_len(stack: Stack, expected: int, timeout_s: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        current = stream_len(stack)
-        if current >= expected or time.monotonic() > deadline:
-            return current
-        time.sleep(0.05)
+    eventually_sync(
+        lambda: stream_len(stack) >= expected, timeout_s=timeout_s, what=f"{expected} published"
+    )
+    return stream_len(stack)
 
 
 def test_walkthrough_publishes_episode_one_with_tokens_logprobs_and_reward(stack: Stack) -> None:
@@ -219,15 +218,13 @@ def test_models_lists_the_mock_model(stack: Stack) -> None:
 def test_areals_demo_lifecycle_requests_work_unchanged(stack: Stack) -> None:
     """The requests AReaL's examples/openclaw/demo_lifecycle.py sends with its defaults (no
     --model, so `"model": "default"`), in its order, and the fields it reads back."""
-    deadline = time.monotonic() + 20
-    while True:
+
+    def workers() -> object:
         status, _, raw = request(stack, "GET", "/health")
         assert status == 200
-        workers = json.loads(raw).get("workers", "?")
-        if workers == stack.config.workers:
-            break
-        assert time.monotonic() < deadline, raw
-        time.sleep(0.1)
+        return json.loads(raw).get("workers", "?")
+
+    eventually_sync(workers, want=stack.config.workers, timeout_s=20, interval_s=0.1)
     admin = stack.config.admin_key
     chat = {
         "model": "default",

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from rollgate.stack import Stack
-from rollgate.trajectory import Interaction, decode_trajectory
+from rollgate.trajectory import Interaction
 from tests.engine.conftest import http_call
+from tests.harness.processes import published_interactions
 
 
 @dataclass(slots=True, kw_only=True)
@@ -128,16 +126,4 @@ def end_and_read(stack: Stack, key: str) -> list[Interaction]:
     status, raw = http_call(stack.gateway_url + "/rl/end_session", {}, key)
     assert status == 200, raw
     trajectory_id = json.loads(raw)["trajectory_id"]
-    client = redis.Redis.from_url(stack.redis_url)
-    deadline = time.monotonic() + 30
-    try:
-        while time.monotonic() < deadline:
-            entries: Any = client.xrange(f"{stack.config.redis_prefix}trajectories")
-            for _, fields in entries:
-                if fields[b"trajectory_id"].decode() == trajectory_id:
-                    trajectory = decode_trajectory(fields[b"data"], fields[b"codec"].decode())
-                    return sorted(trajectory.interactions, key=lambda i: i.index)
-            time.sleep(0.05)
-    finally:
-        client.close()
-    raise AssertionError(f"trajectory {trajectory_id} was not published")
+    return published_interactions(stack, trajectory_id)

@@ -25,6 +25,7 @@ from rollgate.redis_server import free_port
 from rollgate.stack import Stack
 from services.runtime.config import load_config
 from tests.engine.tiny_model import build
+from tests.harness.poll import eventually_sync
 from tests.harness.processes import log_level_env, stack_config
 
 MODEL = "tiny-qwen2"
@@ -80,20 +81,20 @@ def _engine_python() -> str:
 
 
 def _wait_ready(process: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_DEADLINE_S
-    while True:
+    def ready() -> bool:
         if process.poll() is not None:
             tail = log_path.read_text(errors="replace")[-4000:]
             pytest.fail(f"vLLM exited with {process.returncode} before it was ready:\n{tail}")
         try:
-            if http_call(url + "/health", timeout_s=5.0)[0] == 200:
-                return
+            return http_call(url + "/health", timeout_s=5.0)[0] == 200
         except OSError:
-            pass
-        if time.monotonic() > deadline:
-            tail = log_path.read_text(errors="replace")[-4000:]
-            pytest.fail(f"vLLM was not ready after {READY_DEADLINE_S:.0f} s:\n{tail}")
-        time.sleep(0.25)
+            return False
+
+    try:
+        eventually_sync(ready, timeout_s=READY_DEADLINE_S, interval_s=0.25)
+    except AssertionError:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        pytest.fail(f"vLLM was not ready after {READY_DEADLINE_S:.0f} s:\n{tail}")
 
 
 def vllm_argv(python: str, model_dir: Path, port: int) -> list[str]:

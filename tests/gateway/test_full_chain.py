@@ -3,8 +3,6 @@ the mock LLM upstream and a real Redis."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +19,7 @@ from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest, new_session_key
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings
 from tests.harness.inprocess import MOCK_MODEL, Upstream, running_full_chain
+from tests.harness.poll import eventually
 
 MODEL = MOCK_MODEL
 READY_DEADLINE_S = 15.0
@@ -196,16 +195,16 @@ async def test_default_is_an_alias_of_the_first_served_model(stack: Stack) -> No
 
 
 async def test_health_reports_the_live_workers_without_asking_the_router(stack: Stack) -> None:
-    deadline = time.monotonic() + READY_DEADLINE_S
-    while True:
+
+    async def health() -> dict[str, Any]:
         async with stack.http.get(stack.url + "/health") as resp:
             assert resp.status == 200
-            body = await resp.json()
-        if body["workers"] == 1:
-            break
-        assert time.monotonic() < deadline, body
-        await asyncio.sleep(0.05)
-    assert body == {"status": "ok", "workers": 1}
+            body: dict[str, Any] = await resp.json()
+            return body
+
+    await eventually(
+        health, want={"status": "ok", "workers": 1}, timeout_s=READY_DEADLINE_S, interval_s=0.05
+    )
 
 
 async def test_unknown_model_is_404_from_the_router(stack: Stack) -> None:
@@ -272,10 +271,11 @@ async def test_chat_when_the_dataproxy_is_unreachable_is_503_with_retry_after(
 
 
 async def _wait_for_disconnects(mock: MockLLM, count: int) -> None:
-    deadline = time.monotonic() + READY_DEADLINE_S
-    while mock.stats.disconnects < count:
-        assert time.monotonic() < deadline, "the upstream call was never cancelled"
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: mock.stats.disconnects >= count,
+        timeout_s=READY_DEADLINE_S,
+        what="the upstream call cancelled",
+    )
 
 
 async def test_upstream_failure_before_the_first_chunk_is_a_json_error(stack: Stack) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
 from tests.gateway.conftest import ADMIN_KEY
 from tests.harness.inprocess import Upstream, running_full_chain
+from tests.harness.poll import eventually
 
 MODEL = "rollgate-mock"
 AUTH_METADATA = (("authorization", f"Bearer {ADMIN_KEY}"),)
@@ -83,13 +84,6 @@ def chain(redis_url: str, key_prefix: str, redis_client: aioredis.Redis) -> Chai
     return make
 
 
-async def _until(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def _refresh_waiting(c: Chain, digest: str) -> bool:
     marker = await c.redis.exists(c.keys.refreshing(digest))
     return bool(marker) and await c.redis.hget(c.keys.key(digest), "state") == b"idle"
@@ -129,7 +123,7 @@ async def test_during_a_waiting_refresh_chat_is_503_and_another_refresh_is_429_a
         key = started["api_key"]
         waiting = asyncio.create_task(c.post("/rl/start_session", ADMIN_KEY, {"api_key": key}))
         # The refresh holds its marker and has ended the old episode: it waits for capacity.
-        await _until(lambda: _refresh_waiting(c, key_digest(key)))
+        await eventually(lambda: _refresh_waiting(c, key_digest(key)))
         status, body, headers = await c.chat(key, "during")
         assert status == 503 and "Retry-After" in headers, body
         began = time.monotonic()

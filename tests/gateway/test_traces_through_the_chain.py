@@ -5,8 +5,6 @@ the traceparent still reaches the upstream."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from services.runtime.tracing import TraceContext, TracingSettings
 from tests.gateway.conftest import ADMIN_KEY
 from tests.harness.inprocess import MOCK_MODEL, Upstream, running_full_chain
+from tests.harness.poll import eventually
 from tests.runtime.test_tracing import _Collector, collector  # noqa: F401
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -62,18 +61,22 @@ async def test_a_turn_is_one_trace_across_every_service(
         assert (upstream.span_id == CLIENT_SPAN) is not export
         if not export:
             return
-        deadline = time.monotonic() + 15
-        while True:
-            spans = [s for s in received.spans() if s["traceId"] == CLIENT_TRACE]
-            names = [s["name"] for s in spans]
-            if (
-                names.count("POST /v1/chat/completions") == 2
-                and names.count("rollgate.v1.DataProxy/Ledger.record") == 2
-                and "rollgate.v1.Worker/Complete" in names
-            ):
-                break
-            assert time.monotonic() < deadline, names
-            await asyncio.sleep(0.1)
+
+        def names() -> list[str]:
+            return [s["name"] for s in received.spans() if s["traceId"] == CLIENT_TRACE]
+
+        def every_hop_exported() -> bool:
+            found = names()
+            return (
+                found.count("POST /v1/chat/completions") == 2
+                and found.count("rollgate.v1.DataProxy/Ledger.record") == 2
+                and "rollgate.v1.Worker/Complete" in found
+            )
+
+        await eventually(
+            every_hop_exported, timeout_s=15, interval_s=0.1, what="every hop's span exported"
+        )
+        spans = [s for s in received.spans() if s["traceId"] == CLIENT_TRACE]
     by_id = {s["spanId"]: s for s in spans}
     gateway = [s for s in spans if s["name"] == "POST /v1/chat/completions"]
     assert all(s["parentSpanId"] == CLIENT_SPAN for s in gateway)

@@ -4,8 +4,6 @@ real router, dataproxy and worker (in-process, port 0), the mock LLM and a real 
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,6 +21,7 @@ from services.gateway.ws import WS_CONFIG
 from services.gateway.ws_protocol import WsConfig
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.test_full_chain import Stack, _auth, _start, stack
+from tests.harness.poll import eventually
 
 __all__ = ["stack"]
 
@@ -99,12 +98,14 @@ class Client:
         return frame
 
     async def until(self, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
+        async def matching() -> dict[str, Any] | None:
             frame = await self.next()
-            if match(frame):
-                return frame
-        raise AssertionError("no matching frame before the deadline")
+            return frame if match(frame) else None
+
+        found: dict[str, Any] = await eventually(
+            matching, timeout_s=DEADLINE_S, interval_s=0, what="a matching frame"
+        )
+        return found
 
     async def res(self, frame_id: str) -> dict[str, Any]:
         return await self.until(lambda f: f["type"] == "res" and f["id"] == frame_id)
@@ -472,10 +473,11 @@ async def test_chat_abort_stops_the_generation_and_records_the_partial_turn(
     assert end["payload"]["state"] == "aborted"
     partial = end["payload"]["message"]["content"][0]["text"]
     assert partial
-    deadline = time.monotonic() + DEADLINE_S
-    while stack.mock.stats.disconnects <= disconnects:
-        assert time.monotonic() < deadline, "the upstream generation was not cancelled"
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: stack.mock.stats.disconnects > disconnects,
+        timeout_s=DEADLINE_S,
+        what="the upstream generation cancelled",
+    )
     history = await client.call("chat.history", {"sessionKey": "abortable"})
     assistant = history["payload"]["messages"][-1]
     assert assistant["aborted"] is True
@@ -634,12 +636,12 @@ async def test_a_frame_over_the_default_25_mib_max_payload_closes_1009_not_a_dro
     assert max_payload == 25 * 1024 * 1024
     # The whole frame is sent (the server drains it) and the close frame is read.
     await client.ws.send_str("x" * (max_payload + 1))
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        closing = await client.ws.receive(timeout=DEADLINE_S)
-        if closing.type != aiohttp.WSMsgType.TEXT:  # ticks may come first
-            break
-        assert time.monotonic() < deadline
+
+    async def not_a_tick() -> aiohttp.WSMessage | None:
+        message = await client.ws.receive(timeout=DEADLINE_S)
+        return None if message.type == aiohttp.WSMsgType.TEXT else message  # ticks come first
+
+    closing = await eventually(not_a_tick, timeout_s=DEADLINE_S, interval_s=0)
     assert closing.type == aiohttp.WSMsgType.CLOSE, closing
     assert closing.data == 1009
     assert client.ws.close_code == 1009

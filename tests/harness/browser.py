@@ -15,13 +15,14 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import aiohttp
+
+from tests.harness.poll import eventually
 
 START_TIMEOUT_S = 30.0
 START_ATTEMPTS = 3
@@ -113,14 +114,18 @@ class Browser:
                 "--remote-debugging-port=0", "about:blank",
                 stdout=subprocess.DEVNULL, stderr=stderr, stdin=subprocess.DEVNULL,
             )  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (lines := _devtools_port(profile)):
-            if self._process.returncode is not None:
-                return None
-            if time.monotonic() > deadline:
-                raise RuntimeError("chromium did not open its DevTools port in time")
-            await asyncio.sleep(0.05)
-        return lines
+        process = self._process
+
+        def listening_or_exited() -> tuple[str, str] | str | None:
+            return "exited" if process.returncode is not None else _devtools_port(profile)
+
+        found = await eventually(
+            listening_or_exited,
+            timeout_s=START_TIMEOUT_S,
+            interval_s=0.05,
+            what="chromium opened its DevTools port",
+        )
+        return None if isinstance(found, str) else found
 
     def _returncode(self) -> int | None:
         return self._process.returncode if self._process is not None else None
@@ -230,27 +235,20 @@ class Page:
 
     async def wait_for(self, expression: str, *, timeout_s: float = 20.0) -> Any:
         """Polls until the expression is truthy; its value."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        async def value() -> Any:
             try:
-                value = await self.evaluate(expression)
+                return await self.evaluate(expression)
             except CdpError:
-                value = None  # a navigation in between: the context is gone; try again
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for: {expression}")
-            await asyncio.sleep(0.1)
+                return None  # a navigation in between: the context is gone; try again
+
+        return await eventually(value, timeout_s=timeout_s, interval_s=0.1, what=expression)
 
     async def wait_until(
         self, check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0
     ) -> None:
         """Polls an async check (e.g. a navigation finished)."""
-        deadline = time.monotonic() + timeout_s
-        while not await check():
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not met in time")
-            await asyncio.sleep(0.1)
+        await eventually(check, timeout_s=timeout_s, interval_s=0.1)
 
     async def url(self) -> str:
         """The page's current URL."""

@@ -7,11 +7,10 @@ Trainer server.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,6 +41,7 @@ from services.worker.__main__ import serving as worker_serving
 from services.worker.settings import WorkerSettings
 from services.worker.upstream import RequestPolicy
 from tests.gateway.conftest import gateway_settings
+from tests.harness.poll import eventually
 from tests.worker.harness import running_worker
 
 # The admin key of the dataproxy chain.
@@ -239,14 +239,6 @@ def chunk_payloads(events: list[Event]) -> list[bytes]:
     return payloads
 
 
-async def eventually(check: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
-    """Polls a synchronous `check` until it holds; fails after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 # -- full chain through the gateway -----------------------------------------------------------
 
 
@@ -356,15 +348,12 @@ async def running_full_chain(
 
 async def wait_ready(http: aiohttp.ClientSession, url: str) -> None:
     """Polls the gateway's /ready until 200; fails after GATEWAY_READY_DEADLINE_S."""
-    deadline = time.monotonic() + GATEWAY_READY_DEADLINE_S
-    while True:
+
+    async def ready() -> bool:
         async with http.get(url + "/ready") as resp:
-            body = await resp.json()
-            if resp.status == 200:
-                return
-        assert time.monotonic() < deadline, f"gateway never became ready: {body}"
-        # The polling interval of a deadline-bounded wait.
-        await asyncio.sleep(0.05)
+            return resp.status == 200
+
+    await eventually(ready, timeout_s=GATEWAY_READY_DEADLINE_S, what="gateway /ready 200")
 
 
 # -- trainer service --------------------------------------------------------------------------

@@ -7,8 +7,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from rollgate.redis_server import free_port
-from rollgate.stack import StackConfig
+from rollgate.stack import Stack, StackConfig
+from rollgate.trajectory import Interaction, decode_trajectory
+from tests.harness.poll import eventually_sync
 from tests.harness.secret_scan import ISSUED
 
 
@@ -43,3 +47,24 @@ def register_secrets(config: StackConfig) -> None:
 def log_level_env() -> dict[str, str]:
     """The services' log level: the test run's ROLLGATE_LOG_LEVEL, else info."""
     return {"ROLLGATE_LOG_LEVEL": os.environ.get("ROLLGATE_LOG_LEVEL", "info")}
+
+
+def published_interactions(
+    stack: Stack, trajectory_id: str, *, timeout_s: float = 30.0
+) -> list[Interaction]:
+    """The interactions (in order) of one trajectory, once it is on the stack's stream."""
+    client = redis.Redis.from_url(stack.redis_url)
+    stream = f"{stack.config.redis_prefix}trajectories"
+
+    def found() -> list[Interaction] | None:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(stream)  # type: ignore[assignment]
+        for _, fields in entries:
+            if fields[b"trajectory_id"].decode() == trajectory_id:
+                trajectory = decode_trajectory(fields[b"data"], fields[b"codec"].decode())
+                return sorted(trajectory.interactions, key=lambda i: i.index)
+        return None
+
+    try:
+        return eventually_sync(found, timeout_s=timeout_s, what=f"trajectory {trajectory_id}")
+    finally:
+        client.close()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rollgate.stack import ServiceProcess
 from rollgate.supervisor import GaveUp, RestartPolicy, Supervisor
+from tests.harness.poll import eventually_sync
 
 CRASHES = "import sys; print('boom: ROLLGATE_SOMETHING is not set', flush=True); sys.exit(3)"
 SLEEPS = "import time; time.sleep(120)"
@@ -31,13 +31,12 @@ def _process(tmp_path: Path, name: str, code: str) -> ServiceProcess:
 
 
 def _check_until(supervisor: Supervisor, done: object, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def checked() -> bool:
         supervisor.check()
-        if callable(done) and done():
-            return
-        time.sleep(0.01)
-    raise AssertionError("the supervisor did not get there in time")
+        return callable(done) and bool(done())
+
+    eventually_sync(checked, timeout_s=timeout_s, interval_s=0.01, what="the supervisor got there")
 
 
 def test_a_service_that_keeps_crashing_fast_is_restarted_with_doubling_backoff_then_given_up(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -13,6 +11,7 @@ from protos import router_pb2, router_pb2_grpc
 from services.router.__main__ import serving
 from services.router.settings import RouterSettings
 from services.runtime.grpc_client import open_channel
+from tests.harness.poll import eventually
 from tests.router.test_router_service import RPC_TIMEOUT_S, RunningRouter
 
 # Short enough to watch affinities expire, long enough to route a few sessions before they do.
@@ -52,10 +51,12 @@ async def test_sessions_whose_affinity_expired_no_longer_count(
         await router.register("w2")
         assert [await router.route(s) for s in ("s1", "s2", "s3")] == ["w1", "w2", "w1"]
         assert await session_counts(router) == {"w1": 2, "w2": 1}
-        deadline = time.monotonic() + 10.0
-        while (counts := await session_counts(router)) != {"w1": 0, "w2": 0}:
-            assert time.monotonic() < deadline, f"expired sessions still counted: {counts}"
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: session_counts(router),
+            want={"w1": 0, "w2": 0},
+            interval_s=0.05,
+            what="expired sessions no longer counted",
+        )
         assert await redis_client.exists(f"{key_prefix}aff:s1:m") == 0
         # w1 held more sessions once, but none now: the tie breaks on the worker id.
         assert await router.route("s4") == "w1"
@@ -72,13 +73,18 @@ async def test_a_session_in_use_keeps_counting_while_an_unused_one_expires(
         await router.register("w2")
         assert await router.route("busy") == "w1"
         assert await router.route("quiet") == "w2"
-        deadline = time.monotonic() + 10.0
-        while (counts := await session_counts(router)) != {"w1": 1, "w2": 0}:
-            assert counts == {"w1": 1, "w2": 1}, counts
-            assert time.monotonic() < deadline, f"the unused session still counts: {counts}"
-            # Each use pushes the busy session's expiry (and its last use) forward.
-            assert await router.route("busy") == "w1"
-            await asyncio.sleep(0.05)
+
+        async def counts() -> dict[str, int]:
+            found = await session_counts(router)
+            if found != {"w1": 1, "w2": 0}:
+                assert found == {"w1": 1, "w2": 1}, found
+                # Each use pushes the busy session's expiry (and its last use) forward.
+                assert await router.route("busy") == "w1"
+            return found
+
+        await eventually(
+            counts, want={"w1": 1, "w2": 0}, interval_s=0.05, what="the unused session expires"
+        )
 
 
 async def test_sessions_of_a_deregistered_worker_count_where_they_move(

@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -15,27 +14,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollgate.redis_server import free_port
 from services.router.__main__ import SERVICE_NAME
 from services.runtime.grpc_client import open_channel
+from tests.harness.poll import eventually
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 2.0
 
 
 async def wait_serving(address: str, process: asyncio.subprocess.Process, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     async with open_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        while True:
+
+        async def serving() -> bool:
             assert process.returncode is None, "the router exited during start-up"
             try:
                 reply = await health.Check(
                     health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0
                 )
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
             except grpc.aio.AioRpcError:
-                pass
-            assert time.monotonic() < deadline, f"the router at {address} never became SERVING"
-            await asyncio.sleep(0.1)
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+        await eventually(
+            serving, timeout_s=timeout_s, interval_s=0.1, what=f"the router at {address} SERVING"
+        )
 
 
 async def test_the_router_process_serves_health_and_exits_0_on_sigterm(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -19,16 +17,9 @@ from services.router.settings import RouterSettings
 from services.runtime.grpc_client import open_channel
 from services.worker.__main__ import serving as worker_serving
 from services.worker.settings import WorkerSettings
+from tests.harness.poll import eventually
 
 RPC_TIMEOUT_S = 5.0
-
-
-async def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager
@@ -74,14 +65,14 @@ async def list_workers(stub: router_pb2_grpc.RouterStub) -> dict[str, router_pb2
 async def eventually_listed(
     stub: router_pb2_grpc.RouterStub, predicate: Callable[[dict[str, router_pb2.WorkerInfo]], bool]
 ) -> dict[str, router_pb2.WorkerInfo]:
-    deadline = time.monotonic() + 5.0
-    while True:
+    async def listed() -> dict[str, router_pb2.WorkerInfo] | None:
         workers = await list_workers(stub)
-        if predicate(workers):
-            return workers
-        if time.monotonic() > deadline:
-            raise AssertionError(f"router never showed the expected workers: {workers}")
-        await asyncio.sleep(0.02)
+        return workers if predicate(workers) else None
+
+    found: dict[str, router_pb2.WorkerInfo] = await eventually(
+        listed, timeout_s=5.0, what="the router lists the expected workers"
+    )
+    return found
 
 
 async def test_worker_registers_its_upstream_models_heartbeats_and_deregisters_on_exit(
@@ -100,7 +91,7 @@ async def test_worker_registers_its_upstream_models_heartbeats_and_deregisters_o
             assert list(info.models) == ["mock-model", "default"]
             assert info.live
             beats = worker.registration.heartbeats
-            await wait_until(lambda: worker.registration.heartbeats >= beats + 3)
+            await eventually(lambda: worker.registration.heartbeats >= beats + 3)
         # Deregistered on exit, not merely silent: the router no longer lists it at all (a
         # lapsed lease would still list it, as not live, for a while).
         assert "w-test" not in await list_workers(stub)
@@ -172,11 +163,11 @@ async def test_worker_registers_again_when_the_router_forgets_it(
         router(redis_url, key_prefix, port=router_port) as stub,
         worker_serving(worker_settings(router_port, mock.base_url)) as worker,
     ):
-        await wait_until(lambda: worker.registration.registrations == 1)
+        await eventually(lambda: worker.registration.registrations == 1)
         await stub.DeregisterWorker(
             router_pb2.DeregisterWorkerRequest(worker_id="w-test"), timeout=RPC_TIMEOUT_S
         )
-        await wait_until(lambda: worker.registration.registrations == 2)
+        await eventually(lambda: worker.registration.registrations == 2)
         await eventually_listed(stub, lambda ws: "w-test" in ws and ws["w-test"].live)
 
 
@@ -190,7 +181,7 @@ async def test_worker_keeps_trying_until_the_router_comes_up(
     ):
         assert worker.registration.registrations == 0
         async with router(redis_url, key_prefix, port=router_port) as stub:
-            await wait_until(lambda: worker.registration.registrations == 1, timeout_s=10.0)
+            await eventually(lambda: worker.registration.registrations == 1, timeout_s=10.0)
             await eventually_listed(stub, lambda ws: "w-test" in ws and ws["w-test"].live)
 
 

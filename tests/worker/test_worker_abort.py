@@ -3,13 +3,11 @@ sampled so far (real worker gRPC server, real mock LLM)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import grpc
 import orjson
 
 from protos import worker_pb2
+from tests.harness.poll import eventually
 from tests.worker.harness import mock_and_worker, unpacked
 from tests.worker.test_worker_grpc import LONG_TEXT, body
 
@@ -45,10 +43,9 @@ async def test_abort_ends_the_stream_with_an_abort_chunk_and_the_partial_record(
         assert len(record.output_logprobs) == len(record.output_token_ids)
         assert record.exact_tokens is True
         assert record.interaction_id == chunks[0]["id"]
-        deadline = time.monotonic() + DEADLINE_S
-        while mock.stats.disconnects == 0:
-            assert time.monotonic() < deadline, "the upstream call was not closed"
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: mock.stats.disconnects, timeout_s=DEADLINE_S, what="the upstream call closed"
+        )
         assert mock.stats.streams_finished == 0
         assert worker.runner.in_flight == 0
 

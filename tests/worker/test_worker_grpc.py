@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from services.runtime.errors import (
     from_rpc_error,
 )
 from services.worker.upstream import DENYLIST
+from tests.harness.poll import eventually
 from tests.worker.harness import mock_and_worker, running_worker, unpacked
 
 
@@ -40,14 +40,6 @@ async def generate(stub: Any, payload: bytes) -> tuple[list[list[dict[str, Any]]
         if message.HasField("record"):
             record = unpacked(message.record)
     return batches, record
-
-
-async def wait_until(predicate: Any, *, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(20))
@@ -380,7 +372,7 @@ async def test_a_refused_connection_is_unavailable_without_the_upstream_address(
 async def test_a_hanging_upstream_times_out_and_the_upstream_connection_is_closed() -> None:
     async with mock_and_worker(timeout_s=0.3) as (mock, worker):
         _, err = await stream_error(worker.stub, body("/hang", stream=True))
-        await wait_until(lambda: mock.stats.disconnects == 1)
+        await eventually(lambda: mock.stats.disconnects == 1)
         assert worker.runner.in_flight == 0
     assert isinstance(from_rpc_error(err, hop="worker"), UpstreamTimeout)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -403,8 +395,8 @@ async def test_a_cancelled_call_closes_the_upstream_response() -> None:
         await call.read()
         assert worker.runner.in_flight == 1
         call.cancel()
-        await wait_until(lambda: mock.stats.disconnects == 1)
-        await wait_until(lambda: worker.runner.in_flight == 0)
+        await eventually(lambda: mock.stats.disconnects == 1)
+        await eventually(lambda: worker.runner.in_flight == 0)
         assert mock.stats.streams_finished == 0
 
 
