@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return status_main(rest)
     if command == "mock-llm":
-        from rollgate.mock_llm import main as mock_main
+        from rollgate.mock_llm.cli import main as mock_main
 
         return mock_main(rest)
     if command == "trajectories":
