@@ -14,6 +14,7 @@ WORKDIR /src
 # Metadata first so the dependency layer is cached across source edits.
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY schema ./schema
 COPY services ./services
 COPY rollgate ./rollgate
 RUN pip wheel --wheel-dir /wheels .

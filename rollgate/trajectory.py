@@ -1,137 +1,42 @@
-"""Decoding published trajectories into typed, read-only views (docs/trajectory-schema.md)."""
+"""Decoding published trajectories into typed, read-only views (docs/trajectory-schema.md).
+
+The views, their fields, defaults and packing are `schema.trajectory`'s (shared with the
+writer); this module reads the stream's msgpack blobs and the JSON form into them.
+"""
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-# The only constants shared with the writer; the schema doc is the single source.
-SUPPORTED_CODECS = ("msgpack",)
-SCHEMA_VERSION = 2
+from schema.packing import pack_float32, pack_int32
+from schema.trajectory import (
+    INTERACTION_SPECS,
+    SAMPLE_SPECS,
+    SCHEMA_VERSION,
+    SUPPORTED_CODECS,
+    TRAJECTORY_SPECS,
+    Interaction,
+    Sample,
+    Trajectory,
+    TrajectoryDecodeError,
+    read_fields,
+)
 
-
-class TrajectoryDecodeError(ValueError):
-    """The bytes are not a trajectory this library can read."""
-
-
-class _OutputArrays:
-    """The packed output arrays of a sample, unpacked on access."""
-
-    __slots__ = ()
-    output_token_ids_bytes: bytes
-    output_logprobs_bytes: bytes
-    output_versions_bytes: bytes
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """The sampled output token ids."""
-        return _unpack("i", self.output_token_ids_bytes)
-
-    @property
-    def output_logprobs(self) -> list[float]:
-        """One logprob per sampled output token (float32 precision)."""
-        return _unpack_float(self.output_logprobs_bytes)
-
-    @property
-    def output_versions(self) -> list[int]:
-        """The weight version that produced each output token."""
-        return _unpack("i", self.output_versions_bytes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sample(_OutputArrays):
-    """Another sample of a group-sampled call (G > 1): same prompt, its own output."""
-
-    # 1..G-1 (sample 0 is the interaction itself, the one the agent received).
-    sample_index: int
-    output: dict[str, Any]
-    finish_reason: str
-    output_token_ids_bytes: bytes
-    output_logprobs_bytes: bytes
-    output_versions_bytes: bytes
-    exact_tokens: bool
-    length_mismatch: bool
-    # The interaction's reward (the whole group shares it).
-    reward: float
-    reward_set: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Interaction(_OutputArrays):
-    """One LLM call of a trajectory, with its packed token arrays kept as bytes."""
-
-    interaction_id: str
-    index: int
-    parent: int | None
-    created_at: float
-    latency_s: float
-    ttft_s: float
-    model: str
-    upstream_kind: str
-    messages: list[Any]
-    tools: list[Any] | None
-    output: dict[str, Any]
-    finish_reason: str
-    usage: dict[str, Any]
-    prompt_token_ids_bytes: bytes
-    output_token_ids_bytes: bytes
-    output_logprobs_bytes: bytes
-    output_versions_bytes: bytes
-    exact_tokens: bool
-    length_mismatch: bool
-    reward: float
-    reward_set: bool
-    # The weight version when the turn finished (differs only if weights changed unpaused).
-    weight_version_end: int = 0
-    # "main", or "side" (X-Turn-Type: heartbeats, memory flushes); to_tensors leaves side out.
-    turn_type: str = "main"
-    # How output_versions was made: "chunks" (per streamed chunk), "admission" (non-streaming,
-    # or written before the field existed) or "admission_uncounted" (chunk counts did not add up).
-    output_versions_source: str = "admission"
-    # Group sampling (G > 1): samples 1..G-1 of this call; empty when G = 1.
-    samples: tuple[Sample, ...] = ()
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        """The prompt's token ids as the model saw them."""
-        return _unpack("i", self.prompt_token_ids_bytes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Trajectory:
-    """One published episode: its identity, timing, rewards and interactions in order."""
-
-    schema_version: int
-    trajectory_id: str
-    session_id: str
-    task_id: str
-    key_id: str
-    episode: str
-    group_id: str | None
-    # Episodes in the group; None without a group.
-    group_size: int | None
-    started_at: float
-    ended_at: float
-    end_reason: str
-    final_reward: float
-    weight_versions: list[int]
-    stats: dict[str, int]
-    interactions: tuple[Interaction, ...]
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens over all interactions."""
-        return sum(len(i.prompt_token_ids_bytes) // 4 for i in self.interactions)
-
-    @property
-    def output_tokens(self) -> int:
-        """Sampled output tokens over all interactions."""
-        return sum(len(i.output_token_ids_bytes) // 4 for i in self.interactions)
+__all__ = [
+    "SCHEMA_VERSION",
+    "SUPPORTED_CODECS",
+    "Interaction",
+    "Sample",
+    "Trajectory",
+    "TrajectoryDecodeError",
+    "decode_trajectory",
+    "inline_content",
+    "trajectory_from_json",
+    "trajectory_to_json",
+]
 
 
 def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
@@ -158,23 +63,10 @@ def decode_trajectory(data: bytes, codec: str = "msgpack") -> Trajectory:
 
 def _trajectory(raw: Mapping[str, Any], version: int) -> Trajectory:
     """A trajectory from its map, contents inline (version 1 layout)."""
-    return Trajectory(
-        schema_version=version,
-        trajectory_id=str(raw.get("trajectory_id", "")),
-        session_id=str(raw.get("session_id", "")),
-        task_id=str(raw.get("task_id", "")),
-        key_id=str(raw.get("key_id", "")),
-        episode=str(raw.get("episode", "")),
-        group_id=raw.get("group_id"),
-        group_size=None if raw.get("group_size") is None else int(raw["group_size"]),
-        started_at=float(raw.get("started_at", 0.0)),
-        ended_at=float(raw.get("ended_at", 0.0)),
-        end_reason=str(raw.get("end_reason", "")),
-        final_reward=float(raw.get("final_reward", 0.0)),
-        weight_versions=[int(v) for v in raw.get("weight_versions", ())],
-        stats={str(k): int(v) for k, v in (raw.get("stats") or {}).items()},
-        interactions=tuple(_interaction(item) for item in raw.get("interactions", ())),
-    )
+    fields = read_fields(TRAJECTORY_SPECS, raw)
+    fields["schema_version"] = version
+    fields["interactions"] = tuple(_interaction(item) for item in raw.get("interactions", ()))
+    return Trajectory(**fields)
 
 
 def inline_content(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -307,74 +199,14 @@ def _packed_json(item: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _pack(typecode: str, values: Any) -> bytes:
-    packed: array[Any] = array(typecode, values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
+    return pack_int32(values) if typecode == "i" else pack_float32(values)
 
 
 def _interaction(raw: Mapping[str, Any]) -> Interaction:
-    parent = raw.get("parent")
-    return Interaction(
-        interaction_id=str(raw.get("interaction_id", "")),
-        index=int(raw.get("index", 0)),
-        parent=None if parent is None else int(parent),
-        created_at=float(raw.get("created_at", 0.0)),
-        latency_s=float(raw.get("latency_s", 0.0)),
-        ttft_s=float(raw.get("ttft_s", 0.0)),
-        model=str(raw.get("model", "")),
-        upstream_kind=str(raw.get("upstream_kind", "")),
-        messages=list(raw.get("messages") or []),
-        tools=raw.get("tools"),
-        output=dict(raw.get("output") or {}),
-        finish_reason=str(raw.get("finish_reason", "")),
-        usage=dict(raw.get("usage") or {}),
-        prompt_token_ids_bytes=bytes(raw.get("prompt_token_ids") or b""),
-        output_token_ids_bytes=bytes(raw.get("output_token_ids") or b""),
-        output_logprobs_bytes=bytes(raw.get("output_logprobs") or b""),
-        output_versions_bytes=bytes(raw.get("output_versions") or b""),
-        exact_tokens=bool(raw.get("exact_tokens", False)),
-        length_mismatch=bool(raw.get("length_mismatch", False)),
-        reward=float(raw.get("reward", 0.0)),
-        reward_set=bool(raw.get("reward_set", False)),
-        weight_version_end=int(raw.get("weight_version_end", 0) or 0),
-        turn_type=str(raw.get("turn_type", "main") or "main"),
-        output_versions_source=str(raw.get("output_versions_source") or "admission"),
-        samples=tuple(_sample(item) for item in raw.get("samples") or ()),
-    )
+    fields = read_fields(INTERACTION_SPECS, raw)
+    fields["samples"] = tuple(_sample(item) for item in raw.get("samples") or ())
+    return Interaction(**fields)
 
 
 def _sample(raw: Mapping[str, Any]) -> Sample:
-    return Sample(
-        sample_index=int(raw.get("sample_index", 0)),
-        output=dict(raw.get("output") or {}),
-        finish_reason=str(raw.get("finish_reason", "")),
-        output_token_ids_bytes=bytes(raw.get("output_token_ids") or b""),
-        output_logprobs_bytes=bytes(raw.get("output_logprobs") or b""),
-        output_versions_bytes=bytes(raw.get("output_versions") or b""),
-        exact_tokens=bool(raw.get("exact_tokens", False)),
-        length_mismatch=bool(raw.get("length_mismatch", False)),
-        reward=float(raw.get("reward", 0.0)),
-        reward_set=bool(raw.get("reward_set", False)),
-    )
-
-
-def _unpack(typecode: str, data: bytes) -> list[int]:
-    values = _little_endian_array(typecode, data)
-    return list(values)
-
-
-def _unpack_float(data: bytes) -> list[float]:
-    return list(_little_endian_array("f", data))
-
-
-def _little_endian_array(typecode: str, data: bytes) -> array[Any]:
-    values: array[Any] = array(typecode)
-    if values.itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte i/f
-        raise TrajectoryDecodeError(f"array({typecode!r}) is not 4 bytes wide here")
-    if len(data) % 4:
-        raise TrajectoryDecodeError(f"a packed array of {len(data)} bytes is not 4-byte aligned")
-    values.frombytes(data)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values
+    return Sample(**read_fields(SAMPLE_SPECS, raw))

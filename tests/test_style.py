@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,8 +27,8 @@ def test_code_is_ruff_formatted() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_strict_passes_on_services_and_rollgate() -> None:
-    result = _run(sys.executable, "-m", "mypy", "services", "rollgate")
+def test_mypy_strict_passes_on_services_rollgate_and_schema() -> None:
+    result = _run(sys.executable, "-m", "mypy", "services", "rollgate", "schema")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -41,3 +43,48 @@ def test_tests_wait_only_through_the_shared_poll_helper() -> None:
         if path != ROOT / "tests" / "harness" / "poll.py" and pattern.search(path.read_text())
     ]
     assert offenders == [], f"hand-written deadline loops (use tests.harness.poll): {offenders}"
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level-qualified modules a file imports (at any depth: lazy imports count)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def _offenders(package: str, allowed: Callable[[Path, str], bool]) -> list[str]:
+    ours = ("rollgate", "services", "protos", "schema")
+    return sorted(
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / package).rglob("*.py")
+        for module in _imports(path)
+        if module.split(".")[0] in ours and not allowed(path, module)
+    )
+
+
+def test_services_import_only_their_own_modules_the_runtime_protos_and_schema() -> None:
+    """STYLE.md: services/* -> services/runtime, protos, schema; services meet through protos."""
+
+    def allowed(path: Path, module: str) -> bool:
+        parts = path.relative_to(ROOT / "services").parts
+        own = f"services.{parts[0]}" if len(parts) > 1 else "services"
+        return module.split(".")[0] in ("protos", "schema") or module.startswith(
+            (own, "services.runtime")
+        )
+
+    assert _offenders("services", allowed) == []
+
+
+def test_schema_imports_nothing_of_ours_and_nothing_but_msgpack_besides_the_stdlib() -> None:
+    outside = sorted(
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / "schema").rglob("*.py")
+        for module in _imports(path)
+        if module.split(".")[0] not in ("schema", "msgpack", "__future__")
+        and module.split(".")[0] not in sys.stdlib_module_names
+    )
+    assert outside == []

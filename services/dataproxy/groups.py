@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.trajectory import StreamEntry
+from services.dataproxy.trajectory_stream import StreamEntry
 
 # While members of an incomplete group wait, the group is checked again this often.
 RECHECK_S = 0.25

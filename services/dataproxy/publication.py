@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from schema.trajectory import CODEC
 from services.dataproxy.episode_state import (
     END_RETRY_WINDOW_S,
     HEADER_MODE,
@@ -24,12 +25,7 @@ from services.dataproxy.episode_state import (
 )
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
 from services.dataproxy.summaries import RECENT_KEPT, trajectory_summary
-from services.dataproxy.trajectory import (
-    CODEC,
-    EpisodeInfo,
-    build_trajectory,
-    encode_trajectory,
-)
+from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
 from services.runtime.errors import (
     Conflict,
     Unavailable,

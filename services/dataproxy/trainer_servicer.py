@@ -17,7 +17,7 @@ from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_auth import TrainerAuth
-from services.dataproxy.trajectory import StreamEntry, TrainerStats, TrajectoryStream
+from services.dataproxy.trajectory_stream import StreamEntry, TrainerStats, TrajectoryStream
 from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
 

@@ -1,32 +1,26 @@
-"""The published trajectory: built from an episode's turn records (docs/trajectory-schema.md)."""
+"""The published trajectory, built from an episode's turn records (docs/trajectory-schema.md;
+its fields, defaults and packing are schema.trajectory's). The stream it is read from is
+trajectory_stream.py."""
 
 from __future__ import annotations
 
-import asyncio
-import struct
-import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import orjson
-from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
-from services.dataproxy.redis_keys import RedisKeys
+from schema.packing import count, pack_int32, unpack_int32
+from schema.trajectory import (
+    INTERACTION_SPECS,
+    SAMPLE_SPECS,
+    SCHEMA_VERSION,
+    VERSIONS_AT_ADMISSION,
+    VERSIONS_FROM_CHUNKS,
+    copied_from_turn,
+)
 from services.dataproxy.turns import common_prefix, decode_turns
-from services.runtime.errors import InvalidRequest
-from services.runtime.logs import get_logger
-
-log = get_logger(__name__)
-
-CODEC: str = "msgpack"
-SCHEMA_VERSION = 2
-
-# Packed arrays are little-endian whatever the host: int32 ids/versions, float32 logprobs.
-_INT32 = struct.Struct("<i")
-_FLOAT32_BYTES = 4
 
 # A prompt shares ids with an earlier interaction only from this many on: below it the
 # `prompt_prefix` map costs about what it saves.
@@ -221,9 +215,7 @@ def _stats(
 
 
 def _versions_of(interaction: Mapping[str, Any]) -> set[int]:
-    packed = bytes(interaction["output_versions"])
-    count = len(packed) // 4
-    return set(struct.unpack(f"<{count}i", packed)) if count else set()
+    return set(unpack_int32(bytes(interaction["output_versions"])))
 
 
 def _decode_turn(record: Mapping[str, Any]) -> _Turn:
@@ -248,28 +240,21 @@ def _interaction(
     rewards: Mapping[str, float],
     tables: _ContentTables,
 ) -> dict[str, Any]:
+    """One published interaction: the fields schema.trajectory copies from the turn record,
+    and those built here."""
     record = turn.record
-    interaction_id = str(record.get("interaction_id", ""))
-    logprobs = bytes(record.get("output_logprobs") or b"")
-    n_output = len(turn.output_ids) // 4 or len(logprobs) // _FLOAT32_BYTES
-    reward = rewards.get(interaction_id)
+    copied = copied_from_turn(INTERACTION_SPECS, record)
+    n_output = count(copied["output_token_ids"]) or count(copied["output_logprobs"])
+    reward = rewards.get(copied["interaction_id"])
     return {
-        "interaction_id": interaction_id,
+        **copied,
         "index": index,
         "parent": parent,
-        "created_at": float(record.get("created_at", 0.0) or 0.0),
-        "latency_s": float(record.get("latency_s", 0.0) or 0.0),
-        "ttft_s": float(record.get("ttft_s", 0.0) or 0.0),
-        "model": str(record.get("upstream_model", "")),
-        "upstream_kind": str(record.get("upstream_kind", "")),
         "messages_ref": tables.message_refs(turn.messages),
         "tools_ref": tables.tools_ref(turn.tools),
         "output": turn.output,
-        "finish_reason": str(record.get("finish_reason", "")),
         "usage": _json_object(record.get("usage_json")),
         "prompt_token_ids": turn.prompt_ids,
-        "output_token_ids": turn.output_ids,
-        "output_logprobs": logprobs,
         "output_versions": _output_versions(record, n_output),
         # "chunks": stamped per streamed chunk; else every token has the admission version.
         "output_versions_source": _versions_source(record, n_output),
@@ -277,10 +262,6 @@ def _interaction(
         "weight_version_end": int(
             record.get("weight_version_end", record.get("weight_version", 0)) or 0
         ),
-        "exact_tokens": turn.exact,
-        # "main", or "side" (X-Turn-Type): side turns are recorded but left out of training.
-        "turn_type": str(record.get("turn_type", "main") or "main"),
-        "length_mismatch": bool(record.get("length_mismatch", False)),
         "reward": float(reward) if reward is not None else 0.0,
         "reward_set": reward is not None,
         "samples": _extra_samples(record, reward),
@@ -291,20 +272,14 @@ def _extra_samples(record: Mapping[str, Any], reward: float | None) -> list[dict
     """Samples 1..G-1 of a group-sampled call; each shares the prompt and the turn's reward."""
     out = []
     for number, sample in enumerate(record.get("extra_samples") or (), start=1):
-        output_ids = bytes(sample.get("output_token_ids") or b"")
-        logprobs = bytes(sample.get("output_logprobs") or b"")
-        n_output = len(output_ids) // 4 or len(logprobs) // _FLOAT32_BYTES
+        copied = copied_from_turn(SAMPLE_SPECS, sample)
+        n_output = count(copied["output_token_ids"]) or count(copied["output_logprobs"])
         out.append(
             {
+                **copied,
                 "sample_index": number,
                 "output": _json_object(sample.get("assistant_message_json")),
-                "finish_reason": str(sample.get("finish_reason", "")),
-                "output_token_ids": output_ids,
-                "output_logprobs": logprobs,
-                "output_versions": _INT32.pack(int(record.get("weight_version", 0) or 0))
-                * n_output,
-                "exact_tokens": bool(sample.get("exact_tokens", False)),
-                "length_mismatch": bool(sample.get("length_mismatch", False)),
+                "output_versions": _admission_versions(record, n_output),
                 "reward": float(reward) if reward is not None else 0.0,
                 "reward_set": reward is not None,
             }
@@ -312,19 +287,25 @@ def _extra_samples(record: Mapping[str, Any], reward: float | None) -> list[dict
     return out
 
 
+def _admission_versions(record: Mapping[str, Any], n_output: int) -> bytes:
+    """The turn's admission version once per output token."""
+    return pack_int32([int(record.get("weight_version", 0) or 0)]) * n_output
+
+
 def _output_versions(record: Mapping[str, Any], n_output: int) -> bytes:
     """Per-token versions as recorded; else the turn's version repeated once per token."""
     packed = bytes(record.get("output_versions") or b"")
     if packed and len(packed) == n_output * 4:
         return packed
-    return _INT32.pack(int(record.get("weight_version", 0) or 0)) * n_output
+    return _admission_versions(record, n_output)
 
 
 def _versions_source(record: Mapping[str, Any], n_output: int) -> str:
     """How `output_versions` was made (records written before per-token versions: admission)."""
-    source = str(record.get("output_versions_source") or "admission")
-    if source == "chunks" and len(bytes(record.get("output_versions") or b"")) != n_output * 4:
-        return "admission"  # not one version per token: `_output_versions` did not use them
+    source = str(record.get("output_versions_source") or VERSIONS_AT_ADMISSION)
+    packed = bytes(record.get("output_versions") or b"")
+    if source == VERSIONS_FROM_CHUNKS and len(packed) != n_output * 4:
+        return VERSIONS_AT_ADMISSION  # not one per token: `_output_versions` did not use them
     return source
 
 
@@ -347,308 +328,3 @@ def _normalized(message: Any) -> Any:
     if not isinstance(message, dict):
         return message
     return {k: v for k, v in message.items() if v not in (None, "", [], {})}
-
-
-# --- The stream of published trajectories, as the Trainer service reads it ----------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StreamEntry:
-    """One entry of the trajectories stream."""
-
-    stream_id: str
-    trajectory_id: str
-    codec: str
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerStats:
-    """The counters `GetStats` reports."""
-
-    open_episodes: int
-    published: int
-    consumed: int
-    pending: int
-    weight_version: int
-    empty_episodes: int
-    # Interactions published, and those whose parent was found (`P stats` counters).
-    interactions: int = 0
-    joined: int = 0
-
-    @property
-    def join_rate(self) -> float:
-        """Share of interactions after each episode's first whose parent was found."""
-        could_join = self.interactions - self.published
-        return self.joined / could_join if could_join > 0 else 0.0
-
-
-# XACK and the `consumed` counter move together, in one round trip.
-_ACK_LUA = """
-local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
-return n
-"""
-
-# Weight versions only move forward; repeating the current one is a no-op. The new version
-# is published on the channel named like the key, which every replica's WeightVersionView
-# follows (services/dataproxy/control.py) to stamp streamed tokens as they pass.
-_SET_VERSION_LUA = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-local wanted = tonumber(ARGV[1])
-if wanted < current then return {0, tostring(current)} end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('PUBLISH', KEYS[1], ARGV[1])
-return {1, ARGV[1]}
-"""
-
-# Lua's unpack() has a stack limit of a few thousand values: ack in chunks.
-_ACK_CHUNK = 1000
-_READ_BATCH = 64
-
-
-class TrajectoryStream:
-    """Reads the trajectories stream through consumer groups; acks; version; counters."""
-
-    def __init__(
-        self,
-        *,
-        redis: Redis,
-        keys: RedisKeys,
-        reclaim_idle_s: float = 60.0,
-        block_s: float = 2.0,
-        command_timeout_s: float = 5.0,
-    ) -> None:
-        self._redis = redis
-        self._keys = keys
-        self._reclaim_idle_ms = max(1, int(reclaim_idle_s * 1000))
-        self._block_ms = max(1, int(block_s * 1000))
-        self._timeout_s = command_timeout_s
-        self._ack = redis.register_script(_ACK_LUA)
-        self._set_version = redis.register_script(_SET_VERSION_LUA)
-
-    async def ensure_group(self, group: str) -> None:
-        """Creates the consumer group (from the start of the stream) unless it exists."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await self._redis.xgroup_create(
-                    self._keys.trajectories, group, id="0", mkstream=True
-                )
-        except ResponseError as err:
-            if "BUSYGROUP" not in str(err):
-                raise
-
-    async def pull(
-        self,
-        group: str,
-        consumer: str,
-        *,
-        max_count: int = 0,
-        idle_timeout_s: float = 0.0,
-        stopping: asyncio.Event | None = None,
-    ) -> AsyncIterator[StreamEntry]:
-        """Own pending entries first, then reclaimed and new ones, until a limit is reached."""
-        await self.ensure_group(group)
-        budget = _Budget(max_count=max_count, idle_timeout_s=idle_timeout_s, stopping=stopping)
-        async for entry in self._own_pending(group, consumer, budget):
-            yield entry
-        next_reclaim, reclaim_cursor = 0.0, "0-0"
-        while not budget.done():
-            if time.monotonic() >= next_reclaim:
-                reclaimed, reclaim_cursor = await self._reclaim(
-                    group, consumer, reclaim_cursor, budget.batch()
-                )
-                for entry in reclaimed:
-                    budget.delivered()
-                    yield entry
-                if reclaim_cursor == "0-0":  # the whole group's PEL was scanned
-                    next_reclaim = time.monotonic() + self._reclaim_idle_ms / 4000
-                continue
-            block_ms = min(self._block_ms, budget.idle_left_ms())
-            entries = await self._read(group, consumer, ">", budget.batch(), block_ms)
-            for entry in entries:
-                budget.delivered()
-                yield entry
-
-    async def ack(self, group: str, stream_ids: Sequence[str]) -> int:
-        """XACKs `stream_ids` in `group` and counts them as consumed; the number acked."""
-        acked = 0
-        for start in range(0, len(stream_ids), _ACK_CHUNK):
-            chunk = stream_ids[start : start + _ACK_CHUNK]
-            async with asyncio.timeout(self._timeout_s):
-                acked += int(
-                    await self._ack(
-                        keys=[self._keys.trajectories, self._keys.stats], args=[group, *chunk]
-                    )
-                )
-        return acked
-
-    async def set_weight_version(self, version: int) -> int:
-        """Sets the weight version; refuses to go backwards."""
-        if version < 0:
-            raise InvalidRequest(f"weight version {version} is negative", code="invalid_version")
-        async with asyncio.timeout(self._timeout_s):
-            ok, current = await self._set_version(keys=[self._keys.weight_version], args=[version])
-        if not int(ok):
-            raise InvalidRequest(
-                f"weight version {version} is older than the current one ({int(current)}); "
-                "versions only move forward",
-                code="weight_version_decreased",
-            )
-        return version
-
-    async def stats(self) -> TrainerStats:
-        """Counters from the stats hash, pending entries over all groups, the weight version."""
-        async with asyncio.timeout(self._timeout_s):
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.hgetall(self._keys.stats)
-            pipe.get(self._keys.weight_version)
-            counters, version = await pipe.execute()
-            groups = await self._groups()
-        fields = {_text(k): _int(v) for k, v in counters.items()}
-        return TrainerStats(
-            # Maintained by the session code only if it can do so cheaply; else 0.
-            open_episodes=fields.get("open_episodes", 0),
-            published=fields.get("published", 0),
-            consumed=fields.get("consumed", 0),
-            pending=sum(_int(g.get("pending", 0)) for g in groups),
-            weight_version=_int(version),
-            empty_episodes=fields.get("empty_episodes", 0),
-            interactions=fields.get("interactions", 0),
-            joined=fields.get("joined", 0),
-        )
-
-    async def _groups(self) -> list[dict[str, Any]]:
-        try:
-            groups = await self._redis.xinfo_groups(self._keys.trajectories)
-        except ResponseError as err:
-            if "no such key" in str(err).lower():
-                return []
-            raise
-        return [{_text(k): v for k, v in group.items()} for group in groups]
-
-    async def _own_pending(
-        self, group: str, consumer: str, budget: _Budget
-    ) -> AsyncIterator[StreamEntry]:
-        cursor = "0-0"
-        while not budget.done():
-            entries, cursor = await self._read_pending(group, consumer, cursor, budget.batch())
-            if cursor == "":
-                return
-            for entry in entries:
-                budget.delivered()
-                yield entry
-
-    async def _read_pending(
-        self, group: str, consumer: str, cursor: str, count: int
-    ) -> tuple[list[StreamEntry], str]:
-        async with asyncio.timeout(self._timeout_s):
-            reply = await self._redis.xreadgroup(
-                group, consumer, {self._keys.trajectories: cursor}, count=count
-            )
-        raw = _stream_items(reply)
-        if not raw:
-            return [], ""
-        return await self._usable(group, raw), _text(raw[-1][0])
-
-    async def _read(
-        self, group: str, consumer: str, cursor: str, count: int, block_ms: int
-    ) -> list[StreamEntry]:
-        async with asyncio.timeout(self._timeout_s + block_ms / 1000):
-            reply = await self._redis.xreadgroup(
-                group, consumer, {self._keys.trajectories: cursor}, count=count, block=block_ms
-            )
-        return await self._usable(group, _stream_items(reply))
-
-    async def _reclaim(
-        self, group: str, consumer: str, cursor: str, count: int
-    ) -> tuple[list[StreamEntry], str]:
-        """Claims entries left unacked for long (a dead consumer's); the next scan cursor."""
-        async with asyncio.timeout(self._timeout_s):
-            reply = await self._redis.xautoclaim(
-                self._keys.trajectories,
-                group,
-                consumer,
-                self._reclaim_idle_ms,
-                start_id=cursor,
-                count=count,
-            )
-        cursor, items = _text(reply[0]), list(reply[1])
-        entries = await self._usable(group, items)
-        if entries:
-            log.info("trajectories_reclaimed", group=group, consumer=consumer, count=len(entries))
-        return entries, cursor
-
-    async def _usable(self, group: str, items: Sequence[Any]) -> list[StreamEntry]:
-        """Entries with their data; pending ids whose entry was trimmed away are acked."""
-        entries: list[StreamEntry] = []
-        gone: list[str] = []
-        for stream_id, fields in items:
-            if not fields:
-                gone.append(_text(stream_id))
-                continue
-            values = {_text(k): v for k, v in fields.items()}
-            entries.append(
-                StreamEntry(
-                    stream_id=_text(stream_id),
-                    trajectory_id=_text(values.get("trajectory_id", b"")),
-                    codec=_text(values.get("codec", CODEC.encode())),
-                    data=bytes(values.get("data", b"")),
-                )
-            )
-        if gone:
-            async with asyncio.timeout(self._timeout_s):
-                await self._redis.xack(self._keys.trajectories, group, *gone)
-            log.warning("trajectories_gone_from_stream", group=group, count=len(gone))
-        return entries
-
-
-class _Budget:
-    """When a pull stops: a count, an idle time since the last delivery, or shutdown."""
-
-    def __init__(
-        self, *, max_count: int, idle_timeout_s: float, stopping: asyncio.Event | None
-    ) -> None:
-        self._left = max_count if max_count > 0 else None
-        self._idle_s = idle_timeout_s if idle_timeout_s > 0 else None
-        self._stopping = stopping
-        self._last = time.monotonic()
-
-    def delivered(self) -> None:
-        if self._left is not None:
-            self._left -= 1
-        self._last = time.monotonic()
-
-    def batch(self) -> int:
-        return _READ_BATCH if self._left is None else max(1, min(_READ_BATCH, self._left))
-
-    def idle_left_ms(self) -> int:
-        if self._idle_s is None:
-            return 1 << 30
-        return max(1, int((self._idle_s - (time.monotonic() - self._last)) * 1000))
-
-    def done(self) -> bool:
-        if self._left is not None and self._left <= 0:
-            return True
-        if self._stopping is not None and self._stopping.is_set():
-            return True
-        return self._idle_s is not None and time.monotonic() - self._last >= self._idle_s
-
-
-def _stream_items(reply: Any) -> list[Any]:
-    """The (id, fields) pairs of a one-stream XREAD/XREADGROUP reply (RESP2 or RESP3)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return [item for items in reply.values() for item in (items[0] if items else [])]
-    return [item for _name, items in reply for item in items]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _int(value: Any) -> int:
-    if value is None or value == b"" or value == "":
-        return 0
-    return int(float(value))

@@ -20,16 +20,10 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 
 from protos import common_pb2
+from schema.trajectory import VERSIONS_AT_ADMISSION, VERSIONS_UNCOUNTED
 from services.dataproxy.control import Control, TurnLease
 from services.dataproxy.sessions import ActiveEpisode, SessionStore
-from services.dataproxy.turns import (
-    VERSIONS_AT_ADMISSION,
-    VERSIONS_UNCOUNTED,
-    PriorTurns,
-    TurnEncoder,
-    output_length,
-    per_token_versions,
-)
+from services.dataproxy.turns import PriorTurns, TurnEncoder, output_length, per_token_versions
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
 

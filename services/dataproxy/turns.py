@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 import zlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,41 +12,13 @@ import msgpack  # type: ignore[import-untyped]
 import orjson
 
 from protos import common_pb2
-
-
-def pack_int32(values: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian bytes."""
-    packed = array("i", values)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def pack_float32(values: Sequence[float]) -> bytes:
-    """Logprobs as float32 little-endian bytes."""
-    packed = array("f", values)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_int32(data: bytes) -> list[int]:
-    """The inverse of `pack_int32`."""
-    values = array("i")
-    values.frombytes(data)
-    if sys.byteorder != "little":
-        values.byteswap()
-    return values.tolist()
-
-
-def unpack_float32(data: bytes) -> list[float]:
-    """The inverse of `pack_float32`."""
-    values = array("f")
-    values.frombytes(data)
-    if sys.byteorder != "little":
-        values.byteswap()
-    return values.tolist()
-
+from schema.packing import pack_int32
+from schema.trajectory import (
+    TURN_RECORD_FIELDS,
+    TURN_SAMPLE_FIELDS,
+    VERSIONS_AT_ADMISSION,
+    VERSIONS_FROM_CHUNKS,
+)
 
 # A stored `request_json` of 4 KB or more is zlib-compressed (level 1) with `request_codec:
 # "zlib"`. Since turns store only what they add to the episode's previous turn (TurnEncoder),
@@ -87,14 +57,6 @@ def request_json_of(turn: Mapping[str, Any]) -> bytes:
     if codec != REQUEST_CODEC_ZLIB:
         raise ValueError(f"turn record request_codec {codec!r} is not known")
     return zlib.decompress(raw)
-
-
-# Where a turn record's per-token versions come from (`output_versions_source`).
-VERSIONS_FROM_CHUNKS = "chunks"  # streamed: each chunk's tokens carry the version as it passed
-VERSIONS_AT_ADMISSION = "admission"  # non-streaming: every token carries the admission version
-# Streamed, but the chunks' token counts did not add up to the output (an upstream that
-# sends no per-chunk ids or logprobs): every token carries the admission version.
-VERSIONS_UNCOUNTED = "admission_uncounted"
 
 
 def output_length(record: common_pb2.TurnRecord) -> int:
@@ -251,22 +213,14 @@ class TurnEncoder:
         record = self.record
         data: bytes = msgpack.packb(
             {
-                "interaction_id": record.interaction_id,
+                # The fields schema.trajectory publishes as the worker sent them.
+                **{name: getattr(record, name) for name in TURN_RECORD_FIELDS},
                 "created_at": record.started_at_unix_s or now,
-                "latency_s": record.latency_s,
-                "ttft_s": record.ttft_s,
-                "upstream_model": record.upstream_model,
-                "upstream_kind": record.upstream_kind,
-                "finish_reason": record.finish_reason,
                 **self._request,
                 **self._shared,
                 "assistant_message_json": record.assistant_message_json,
                 "usage_json": record.usage_json or b"{}",
                 "prompt_token_ids": self._prompt,
-                "output_token_ids": self.output_ids,
-                "output_logprobs": record.output_logprobs,
-                "exact_tokens": record.exact_tokens,
-                "length_mismatch": record.length_mismatch,
                 "weight_version": weight_version,
                 "weight_version_end": weight_version
                 if weight_version_end is None
@@ -327,11 +281,7 @@ def _samples(samples: Sequence[common_pb2.TurnSample]) -> list[dict[str, Any]]:
     """The extra samples of a group-sampled call as msgpack maps (packed arrays as bytes)."""
     return [
         {
-            "finish_reason": sample.finish_reason,
-            "output_token_ids": sample.output_token_ids,
-            "output_logprobs": sample.output_logprobs,
-            "exact_tokens": sample.exact_tokens,
-            "length_mismatch": sample.length_mismatch,
+            **{name: getattr(sample, name) for name in TURN_SAMPLE_FIELDS},
             "assistant_message_json": sample.assistant_message_json,
         }
         for sample in samples

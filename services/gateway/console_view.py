@@ -5,13 +5,13 @@ turned into turns, messages and per-token (id, logprob, version) for the viewer.
 from __future__ import annotations
 
 import itertools
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
 from protos import console_pb2, router_pb2
+from schema.packing import unpack_float32, unpack_int32
 
 # The viewer shows at most this much of one message (a 48 KB system prompt stays readable).
 MAX_MESSAGE_CHARS = 200_000
@@ -208,5 +208,5 @@ def _message(message: Any) -> dict[str, Any]:
 
 def _unpack(kind: str, packed: Any) -> list[Any]:
     data = bytes(packed or b"")
-    count = len(data) // 4
-    return list(struct.unpack(f"<{count}{kind}", data[: 4 * count])) if count else []
+    whole = data[: len(data) - len(data) % 4]  # a torn array shows what it holds
+    return unpack_int32(whole) if kind == "i" else unpack_float32(whole)

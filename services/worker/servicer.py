@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
-from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeAlias
 
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from schema.packing import pack_float32, pack_int32
 from services.runtime.errors import RollgateError, UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.metrics import WorkerMetrics
@@ -39,12 +38,9 @@ def _log_failure(request: worker_pb2.GenerateRequest, err: RollgateError) -> Non
 
 def _packed(values: Sequence[Any], kind: str) -> bytes:
     try:
-        packed = array(kind, values)
+        return pack_int32(values) if kind == "i" else pack_float32(values)
     except (TypeError, OverflowError):
         raise UpstreamError("the upstream sent token ids that are not 32-bit integers") from None
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def _fields(result: Any) -> dict[str, Any]:

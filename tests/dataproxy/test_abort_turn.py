@@ -12,7 +12,7 @@ import pytest
 
 from protos import worker_pb2, worker_pb2_grpc
 from rollgate.trajectory import decode_trajectory
-from services.dataproxy.turns import unpack_float32, unpack_int32
+from schema.packing import unpack_float32, unpack_int32
 from services.gateway.relay import Done, Event
 from tests.dataproxy.test_samples_group import (
     RPC_TIMEOUT_S,

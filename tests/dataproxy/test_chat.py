@@ -16,7 +16,7 @@ import pytest
 
 from protos import dataproxy_pb2
 from rollgate.redis_server import free_port
-from services.dataproxy.turns import unpack_float32, unpack_int32
+from schema.packing import unpack_float32, unpack_int32
 from services.gateway.relay import Chunks, Done, TurnRelay
 from services.runtime.errors import (
     RollgateError,

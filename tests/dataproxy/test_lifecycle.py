@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from schema.packing import pack_float32, pack_int32
 from services.dataproxy.control import CapacityPolicy, Control
 from services.dataproxy.reaper import Reaper
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import EpisodePolicy, SessionStore, StartedSession
-from services.dataproxy.turns import pack_float32, pack_int32
 from services.runtime.errors import Conflict, TooManyRequests, Unavailable
 from services.runtime.keys import key_digest, key_id_of
 from services.runtime.secret import Secret

@@ -14,7 +14,7 @@ import pytest
 from protos import dataproxy_pb2
 from rollgate.tensors import to_tensors
 from rollgate.trajectory import decode_trajectory
-from services.dataproxy.turns import unpack_float32, unpack_int32
+from schema.packing import unpack_float32, unpack_int32
 from services.runtime.keys import key_digest
 from services.worker.upstream import RequestPolicy
 from tests.harness.inprocess import (

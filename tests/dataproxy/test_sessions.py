@@ -12,10 +12,10 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from schema.packing import unpack_float32, unpack_int32
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.sessions import ActiveEpisode, KeyState, SessionStore
-from services.dataproxy.turns import unpack_float32, unpack_int32
 from services.runtime.errors import (
     Conflict,
     InvalidRequest,

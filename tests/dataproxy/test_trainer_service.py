@@ -16,15 +16,11 @@ import redis.asyncio as aioredis
 
 from protos import trainer_pb2, trainer_pb2_grpc
 from rollgate.trainer_client import PulledTrajectory, TrainerClient, TrainerError
+from schema.trajectory import CODEC
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
-from services.dataproxy.trajectory import (
-    CODEC,
-    EpisodeInfo,
-    build_trajectory,
-    encode_trajectory,
-)
+from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
 from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
 from tests.harness.poll import eventually

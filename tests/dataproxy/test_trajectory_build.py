@@ -12,13 +12,8 @@ import orjson
 import pytest
 
 from rollgate.trajectory import decode_trajectory, inline_content
-from services.dataproxy.trajectory import (
-    CODEC,
-    SCHEMA_VERSION,
-    EpisodeInfo,
-    build_trajectory,
-    encode_trajectory,
-)
+from schema.trajectory import CODEC, SCHEMA_VERSION
+from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
 
 INFO = EpisodeInfo(
     trajectory_id="traj-1",

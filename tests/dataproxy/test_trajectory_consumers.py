@@ -17,10 +17,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollgate.trainer_client import PulledTrajectory, TrainerClient
+from schema.trajectory import CODEC
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
-from services.dataproxy.trajectory import CODEC, EpisodeInfo, build_trajectory, encode_trajectory
+from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
 from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
 from tests.harness.poll import eventually

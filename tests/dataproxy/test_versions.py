@@ -17,15 +17,13 @@ import orjson
 import redis.asyncio as aioredis
 
 from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2
+from schema.packing import unpack_int32
+from schema.trajectory import VERSIONS_UNCOUNTED
 from services.dataproxy.control import WeightVersionView
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.trajectory import EpisodeInfo, TrajectoryStream, build_trajectory
-from services.dataproxy.turns import (
-    VERSIONS_UNCOUNTED,
-    encode_turn,
-    per_token_versions,
-    unpack_int32,
-)
+from services.dataproxy.trajectory import EpisodeInfo, build_trajectory
+from services.dataproxy.trajectory_stream import TrajectoryStream
+from services.dataproxy.turns import encode_turn, per_token_versions
 from services.gateway.relay import Chunks, Done, Event
 from services.runtime.keys import key_digest
 from tests.dataproxy.turn_records import turn_record

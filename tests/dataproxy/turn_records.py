@@ -7,13 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos import common_pb2
-from services.dataproxy.turns import (
-    PriorTurn,
-    TurnEncoder,
-    encode_turn,
-    pack_float32,
-    pack_int32,
-)
+from schema.packing import pack_float32, pack_int32
+from services.dataproxy.turns import PriorTurn, TurnEncoder, encode_turn
 
 
 def turn_record(

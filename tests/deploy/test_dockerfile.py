@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 
 from tests.deploy.conftest import REPO
 
@@ -64,3 +65,14 @@ def test_the_compose_healthcheck_script_is_in_the_image_and_in_the_build_context
     ignore = (REPO / ".dockerignore").read_text().splitlines()
     assert "!deploy/docker/healthcheck.py" in ignore
     assert ".env" in ignore
+
+
+def test_the_builder_copies_every_package_the_distribution_includes() -> None:
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = [name.rstrip("*") for name in include["packages"]["find"]["include"]]
+    builder = stages()[0]
+    copies = [args for word, args in builder if word == "COPY"]
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    for package in packages:
+        assert f"{package} ./{package}" in copies, package
+        assert f"!{package}/" in ignore, package

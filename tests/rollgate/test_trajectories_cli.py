@@ -15,8 +15,9 @@ import orjson
 import redis.asyncio as aioredis
 
 from rollgate.trajectories_cli import parse_args
+from schema.trajectory import CODEC
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.trajectory import CODEC, EpisodeInfo, build_trajectory, encode_trajectory
+from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 

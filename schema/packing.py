@@ -1,0 +1,60 @@
+"""Packed arrays as the trajectory carries them: little-endian int32 (token ids, weight
+versions) and float32 (logprobs), whatever the host's byte order."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+# Bytes per packed value (int32 and float32 alike).
+WIDTH = 4
+
+
+def _packed(typecode: str, values: Iterable[Any]) -> bytes:
+    packed: array[Any] = array(typecode, values)
+    if packed.itemsize != WIDTH:  # pragma: no cover - every mainstream platform has 4-byte i/f
+        raise ValueError(f"array({typecode!r}) is not {WIDTH} bytes wide here")
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpacked(typecode: str, data: bytes) -> array[Any]:
+    values: array[Any] = array(typecode)
+    if values.itemsize != WIDTH:  # pragma: no cover
+        raise ValueError(f"array({typecode!r}) is not {WIDTH} bytes wide here")
+    if len(data) % WIDTH:
+        raise ValueError(f"a packed array of {len(data)} bytes is not {WIDTH}-byte aligned")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def pack_int32(values: Iterable[int]) -> bytes:
+    """Integers as int32 little-endian bytes (TypeError / OverflowError for other values)."""
+    return _packed("i", values)
+
+
+def pack_float32(values: Iterable[float]) -> bytes:
+    """Floats as float32 little-endian bytes."""
+    return _packed("f", values)
+
+
+def unpack_int32(data: bytes) -> list[int]:
+    """The inverse of `pack_int32` (ValueError unless 4-byte aligned)."""
+    values: list[int] = _unpacked("i", data).tolist()
+    return values
+
+
+def unpack_float32(data: bytes) -> list[float]:
+    """The inverse of `pack_float32` (ValueError unless 4-byte aligned)."""
+    values: list[float] = _unpacked("f", data).tolist()
+    return values
+
+
+def count(data: bytes) -> int:
+    """How many values a packed array holds."""
+    return len(data) // WIDTH
