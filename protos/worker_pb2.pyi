@@ -104,10 +104,16 @@ class ChunkBatch(_message.Message):
     CHUNKS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     output_tokens: _builtins.int
     """Sampled output tokens (of the recorded sample, choice 0) these chunks carry: counted from
     token ids when the upstream gives them, else from logprob entries. The gateway stamps
     them with the weight version current as the batch passes (docs/lifecycle.md).
+    """
+    prompt_tokens: _builtins.int
+    """The prompt's length in tokens once the upstream has told it (vLLM's prompt_token_ids on
+    its first chunk, SGLang /generate's input ids), on that batch and every later one; 0 while
+    it is not known (an upstream without ids). Anthropic's message_start reports it.
     """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
@@ -121,10 +127,11 @@ class ChunkBatch(_message.Message):
         chunks: _abc.Iterable[_builtins.bytes] | None = ...,
         output_tokens: _builtins.int = ...,
         delta: Global___Delta | None = ...,
+        prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "delta", b"delta", "output_tokens", b"output_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "delta", b"delta", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

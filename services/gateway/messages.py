@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -32,11 +33,19 @@ from services.gateway.messages_translate import (
     parse_request,
 )
 from services.gateway.relay import Chunks, Done, TurnSpec, split_body
-from services.runtime.errors import RollgateError
+from services.gateway.url_sessions import ATTEMPT_PREFIX, SESSION_PREFIX
+from services.runtime.errors import NotFound, RollgateError
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
+
+COUNT_TOKENS_NOT_SERVED = (
+    "rollgate does not serve /v1/messages/count_tokens: it relays and records turns, it does "
+    "not count tokens ahead of them. Count with the model's tokenizer (a vLLM upstream itself "
+    "serves POST /tokenize and /v1/messages/count_tokens), or read usage.input_tokens of the "
+    "/v1/messages answer"
+)
 
 
 def _spec(request: web.Request, key: str, call: MessagesCall, message_id: str) -> TurnSpec:
@@ -70,7 +79,23 @@ def _parsed(payloads: list[bytes]) -> list[Any]:
     return [orjson.loads(p) for p in payloads if p.strip() != b"[DONE]"]
 
 
-async def _chunks(request: web.Request, spec: TurnSpec) -> AsyncGenerator[list[Any], None]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Batch:
+    """Parsed chat chunks that arrived together."""
+
+    chunks: list[Any]
+    # The prompt's length in tokens when known (else 0).
+    prompt_tokens: int = 0
+    # The recorded model (only on the last batch, which comes with the record).
+    model: str = ""
+
+
+def _prompt_tokens(usage: dict[str, Any]) -> int:
+    value = usage.get("prompt_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+async def _chunks(request: web.Request, spec: TurnSpec) -> AsyncGenerator[_Batch, None]:
     """The chat chunks of a streamed turn as batches arrive; the last batch (the chunks that
     came with the end) once the turn is recorded. Nothing is yielded before the relay's first
     event, so an early failure is raised before anything reaches the client."""
@@ -78,9 +103,13 @@ async def _chunks(request: web.Request, spec: TurnSpec) -> AsyncGenerator[list[A
     async with contextlib.aclosing(events):
         async for event in events:
             if isinstance(event, Chunks):
-                yield _parsed(event.payloads)
+                yield _Batch(chunks=_parsed(event.payloads), prompt_tokens=event.prompt_tokens)
             elif isinstance(event, Done):
-                yield _parsed(event.tail)
+                yield _Batch(
+                    chunks=_parsed(event.tail),
+                    prompt_tokens=_prompt_tokens(event.usage),
+                    model=event.model,
+                )
                 return
 
 
@@ -111,14 +140,18 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers=chat.SSE_HEADERS)
     try:
         await response.prepare(request)
-        events = stream.start()
-        batch: list[Any] | None = first
-        while batch is not None:
-            for chunk in batch:
+        # message_start names the served model and the prompt's length, from the first batch.
+        events = stream.start(
+            first.chunks if first else (),
+            model=first.model if first else "",
+            input_tokens=first.prompt_tokens if first else 0,
+        )
+        await response.write(b"".join(events))
+        while (batch := await anext(batches, None)) is not None:
+            events = []
+            for chunk in batch.chunks:
                 events += stream.feed(chunk)
             await response.write(b"".join(events))
-            events = []
-            batch = await anext(batches, None)
         await response.write(b"".join(stream.finish()))
     except RollgateError as err:
         log.warning("message_stream_failed", code=err.code, message=err.message)
@@ -158,6 +191,15 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages/count_tokens: not served, with a 404 that says so and what to do."""
+    raise NotFound(COUNT_TOKENS_NOT_SERVED, code="count_tokens_not_served")
+
+
 def mount(app: web.Application) -> None:
-    """Adds POST /v1/messages to `app` (its error shape comes from `anthropic_errors`)."""
+    """Adds POST /v1/messages to `app` (its error shape comes from `anthropic_errors`), and
+    the count_tokens 404 at the top level and under the session prefixes."""
     app.router.add_post("/v1/messages", create_message)
+    # Not a session-key route: the 404 needs no key, and says the same under every prefix.
+    for prefix in ("", SESSION_PREFIX, ATTEMPT_PREFIX):
+        app.router.add_post(prefix + "/v1/messages/count_tokens", count_tokens)

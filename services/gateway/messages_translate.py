@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+# What a tool message's content starts with when its tool_result said `is_error: true`.
+TOOL_ERROR_PREFIX = "Error: "
 # /v1/messages and what lies under it, at the top level or under a session path.
 _MESSAGES_PATH = re.compile(r"(/sessions/[^/]*|/rollout/[^/]*/attempt/[^/]*)?/v1/messages(/.*)?")
 
@@ -148,7 +151,14 @@ def _tool_result(block: dict[str, Any], where: str) -> tuple[dict[str, Any], lis
             raise _bad(
                 f"{inner}: a tool result may hold text and image blocks, not {part['type']!r}"
             )
-    return {"role": "tool", "tool_call_id": tool_use_id, "content": "\n".join(texts)}, images
+    text = "\n".join(texts)
+    is_error = block.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise _bad(f"{where}: a tool_result block's `is_error` must be true or false")
+    if is_error:
+        # Chat tool messages have no error flag: the model reads it in the content.
+        text = f"{TOOL_ERROR_PREFIX}{text}" if text else TOOL_ERROR_PREFIX.rstrip(": ")
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}, images
 
 
 def _user_messages(content: Any, where: str) -> list[dict[str, Any]]:
@@ -321,13 +331,21 @@ def _parse_input(arguments: str) -> dict[str, Any]:
 
 
 def stop_reason(
-    finish_reason: str, matched: Any, stop_sequences: tuple[str, ...]
+    finish_reason: str, matched: Any, stop_sequences: tuple[str, ...], *, tool_used: bool = False
 ) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) for a chat finish reason and the upstream's matched stop
-    (vLLM's `stop_reason`, SGLang's `matched_stop`)."""
+    """(stop_reason, stop_sequence) for a chat finish reason, the upstream's matched stop
+    (vLLM's `stop_reason`, SGLang's `matched_stop`) and whether the answer has a tool_use."""
     if finish_reason == "stop" and isinstance(matched, str) and matched in stop_sequences:
         return "stop_sequence", matched
+    if finish_reason == "stop" and tool_used:
+        # A forced (named) tool call ends with "stop", not "tool_calls", on vLLM and OpenAI;
+        # Anthropic says tool_use whenever the answer calls a tool.
+        return "tool_use", None
     return _STOP_REASONS.get(finish_reason, "end_turn"), None
+
+
+def _uses_tool(content: list[dict[str, Any]]) -> bool:
+    return any(block["type"] == "tool_use" for block in content)
 
 
 def usage(raw: Any) -> dict[str, int]:
@@ -404,7 +422,10 @@ def message_from_completion(
         model=upstream_model if isinstance(upstream_model, str) and upstream_model else model,
         content=content,
         stop=stop_reason(
-            finish if isinstance(finish, str) else "stop", _matched_stop(choice), stop_sequences
+            finish if isinstance(finish, str) else "stop",
+            _matched_stop(choice),
+            stop_sequences,
+            tool_used=_uses_tool(content),
         ),
         usage_json=usage(completion.get("usage") if isinstance(completion, dict) else None),
     )
@@ -439,19 +460,32 @@ class MessageStream:
         self.matched_stop: Any = None
         self.usage_raw: dict[str, Any] = {}
 
-    def start(self) -> list[bytes]:
-        """`message_start` (usage is known only at the end: message_delta carries it) and a ping."""
+    def start(
+        self, first: Sequence[Any] = (), *, model: str = "", input_tokens: int = 0
+    ) -> list[bytes]:
+        """`message_start`, a ping, then the events of the first batch of chunks.
+
+        The message names the served model (`model`, else the first chunk's, as the record
+        does) and the prompt's length when it is known; the rest of the usage is known only
+        at the end (message_delta carries all of it)."""
+        named = [
+            c["model"] for c in first if isinstance(c, dict) and isinstance(c.get("model"), str)
+        ]
+        self.model = model or next((name for name in named if name), self.model)
         pending = message_object(
             message_id=self.message_id,
             model=self.model,
             content=[],
             stop=(None, None),
-            usage_json=usage(None),
+            usage_json=usage({"prompt_tokens": input_tokens}),
         )
-        return [
+        events = [
             sse_event("message_start", {"type": "message_start", "message": pending}),
             sse_event("ping", {"type": "ping"}),
         ]
+        for chunk in first:
+            events += self.feed(chunk)
+        return events
 
     def _close(self) -> list[bytes]:
         if self._open is None:
@@ -557,7 +591,12 @@ class MessageStream:
 
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) of the answer so far."""
-        return stop_reason(self.finish_reason or "stop", self.matched_stop, self.stop_sequences)
+        return stop_reason(
+            self.finish_reason or "stop",
+            self.matched_stop,
+            self.stop_sequences,
+            tool_used=any(block.kind == "tool_use" for block in self.blocks),
+        )
 
     def finish(self) -> list[bytes]:
         """Closes the open block; `message_delta` (stop reason, usage) and `message_stop`."""

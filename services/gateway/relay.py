@@ -146,6 +146,8 @@ class Chunks:
     """Chat chunks that arrived together, each one SSE `data:` payload."""
 
     payloads: list[bytes]
+    # The prompt's length in tokens once the upstream has told it (else 0).
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,7 +342,7 @@ class TurnRelay:
                     if batch.HasField("delta"):
                         yield _delta(batch.delta)
                 elif batch.chunks:
-                    yield Chunks(payloads=list(batch.chunks))
+                    yield Chunks(payloads=list(batch.chunks), prompt_tokens=batch.prompt_tokens)
                 message = await self._read(call)
             # The worker's stream ends on its own now (not cancelled: its turn ended well).
             answered = True

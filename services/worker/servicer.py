@@ -72,7 +72,9 @@ def _delta(delta: AnswerDelta) -> worker_pb2.Delta:
 
 
 def _batch(event: StreamBatch) -> worker_pb2.ChunkBatch:
-    batch = worker_pb2.ChunkBatch(chunks=event.chunks, output_tokens=event.output_tokens)
+    batch = worker_pb2.ChunkBatch(
+        chunks=event.chunks, output_tokens=event.output_tokens, prompt_tokens=event.prompt_tokens
+    )
     if event.delta:
         batch.delta.CopyFrom(_delta(event.delta))
     return batch

@@ -50,6 +50,8 @@ class StreamBatch:
     delta: AnswerDelta | None = None
     # True for the batch that ended the answer: the record follows at once.
     final: bool = False
+    # The prompt's length in tokens once the upstream has told it (its prompt ids), else 0.
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,6 +130,10 @@ class _Group:
         if main.output_token_ids is not None:
             return len(main.output_token_ids)
         return len(main.logprobs)
+
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens, once the upstream has sent its ids (else 0)."""
+        return len(self.main.prompt_token_ids or ())
 
     def finished(self) -> bool:
         return all(acc.finish_reason for acc in self.samples.values())
@@ -330,7 +336,11 @@ class TurnRunner:
                             delta = group.main.delta_since(mark) if mark is not None else None
                             if batch or tokens or (delta is not None and delta) or done:
                                 yield StreamBatch(
-                                    chunks=batch, output_tokens=tokens, delta=delta, final=done
+                                    chunks=batch,
+                                    output_tokens=tokens,
+                                    delta=delta,
+                                    final=done,
+                                    prompt_tokens=group.prompt_tokens(),
                                 )
                             if done:
                                 break

@@ -85,7 +85,7 @@ async def test_sdk_messages_plain_streamed_and_tool_use_are_recorded_exactly(sta
                     {"role": "user", "content": "now stream"},
                 ],
             ) as stream:
-                streamed_text = "".join([text async for text in stream.text_stream])
+                events = [event async for event in stream]
                 streamed = await stream.get_final_message()
             stopped = await sdk.messages.create(
                 model=MODEL,
@@ -122,6 +122,13 @@ async def test_sdk_messages_plain_streamed_and_tool_use_are_recorded_exactly(sta
         assert text.type == "text" and text.text.endswith(": you")
         assert recorded.finish_reason == "stop"
         _check_tokens(recorded, text.text, answer.usage.output_tokens, 3, token_id(" said"))
+    streamed_text = "".join(e.text for e in events if e.type == "text")
+    # message_start names the served model and the prompt's length (vLLM's prompt ids come
+    # on its first chunk), as the end of the stream and the record do.
+    (started,) = [e.message for e in events if e.type == "message_start"]
+    assert started.model == streamed.model == second.model == MODEL
+    assert started.usage.input_tokens == streamed.usage.input_tokens
+    assert started.usage.input_tokens == len(second.prompt_token_ids) > 0
     plain_text = plain.content[0].text  # type: ignore[union-attr]
     _check_tokens(first, plain_text, plain.usage.output_tokens, 3)
     _check_tokens(second, streamed_text, streamed.usage.output_tokens, 3)

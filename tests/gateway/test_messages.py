@@ -274,7 +274,8 @@ async def test_errors_on_the_messages_route_take_anthropics_shape(stack: Stack) 
         ("POST", url, {"x-api-key": key}, {"model": MODEL}, 400, "invalid_request_error", "max_tokens"),
         ("POST", url, {"x-api-key": key}, valid | {"model": "claude-sonnet-4-5"}, 404, "not_found_error", "claude-sonnet-4-5"),
         ("GET", url, {"x-api-key": key}, None, 405, "invalid_request_error", "POST"),
-        ("POST", url + "/count_tokens", {"x-api-key": key}, valid, 404, "not_found_error", "no such endpoint"),
+        ("POST", url + "/count_tokens", {"x-api-key": key}, valid, 404, "not_found_error", "does not serve /v1/messages/count_tokens"),
+        ("POST", url + "/batches", {"x-api-key": key}, valid, 404, "not_found_error", "no such endpoint"),
     ]  # fmt: skip
     for method, target, headers, body, status, kind, says in cases:
         async with stack.http.request(method, target, json=body, headers=headers) as resp:
@@ -286,6 +287,39 @@ async def test_errors_on_the_messages_route_take_anthropics_shape(stack: Stack) 
     ) as resp:
         assert resp.status == 413
         _anthropic_error(await resp.json(), "request_too_large")
+
+
+@pytest.mark.parametrize("base", ["", "/sessions/claude-1", "/rollout/r1/attempt/a1"])
+async def test_count_tokens_is_a_404_that_says_it_is_not_served_and_what_to_do(
+    stack: Stack, base: str
+) -> None:
+    # Any key or none: the answer is the same, and nothing is routed or recorded.
+    async with client(stack, "sk-sess-" + "x" * 43, stack.url + base) as sdk:
+        with pytest.raises(anthropic.NotFoundError) as raised:
+            await sdk.messages.count_tokens(
+                model=MODEL, messages=[{"role": "user", "content": "how long am I?"}]
+            )
+    message = _anthropic_error(raised.value.body, "not_found_error")  # type: ignore[arg-type]
+    assert "does not serve /v1/messages/count_tokens" in message
+    assert "tokenizer" in message and "usage.input_tokens" in message
+    assert raised.value.body["error"]["code"] == "count_tokens_not_served"  # type: ignore[index]
+
+
+async def test_a_stream_for_default_names_the_served_model_from_message_start_on(
+    stack: Stack, redis_client: aioredis.Redis
+) -> None:
+    key = (await _start(stack))["api_key"]
+    ask = {"max_tokens": 32, "messages": [{"role": "user", "content": "who answers?"}]}
+    async with client(stack, key) as sdk:
+        async with sdk.messages.stream(model="default", **ask) as stream:
+            starts = [e.message async for e in stream if e.type == "message_start"]
+            final = await stream.get_final_message()
+        plain = await sdk.messages.create(model="default", **ask)
+    # `default` is an alias: the message, streamed or not, names the model that answered.
+    assert [m.model for m in starts] == [MODEL]
+    assert final.model == plain.model == MODEL
+    recorded = (await published(stack, redis_client, key))["interactions"]
+    assert [i["model"] for i in recorded] == [MODEL, MODEL]
 
 
 async def test_between_episodes_the_sdk_sees_overloaded_503_with_retry_after(stack: Stack) -> None:

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from services.gateway.messages_translate import (
+    TOOL_ERROR_PREFIX,
     MessageStream,
     error_body,
     error_event,
@@ -136,12 +137,33 @@ def test_content_blocks_images_thinking_and_tool_result_lists() -> None:
     assert messages[2]["content"] == "Let me look."
     assert [c["id"] for c in messages[2]["tool_calls"]] == ["t1", "t2"]
     assert messages[3] == {"role": "tool", "tool_call_id": "t1", "content": "zoomed"}
-    assert messages[4] == {"role": "tool", "tool_call_id": "t2", "content": ""}
+    # An error result with no content still tells the model it failed.
+    assert messages[4] == {"role": "tool", "tool_call_id": "t2", "content": "Error"}
     # The image a tool returned follows the tool messages as a user message.
     assert messages[5] == {
         "role": "user",
         "content": [{"type": "image_url", "image_url": {"url": "http://i/x.png"}}],
     }
+
+
+def test_a_tool_result_marked_is_error_reaches_the_model_as_an_error() -> None:
+    tool_use = {"type": "tool_use", "id": "call_1", "name": "Bash", "input": {"command": "ls"}}
+    body = tool_result_turn("m", "list", tool_use, "ls: cannot open '.': Permission denied")
+    body["messages"][-1]["content"][0]["is_error"] = True
+    tool = parse(body).chat["messages"][3]
+    assert tool == {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": TOOL_ERROR_PREFIX + "ls: cannot open '.': Permission denied",
+    }
+    assert TOOL_ERROR_PREFIX == "Error: "
+    # is_error false (or absent) leaves the content as it is.
+    body["messages"][-1]["content"][0]["is_error"] = False
+    assert parse(body).chat["messages"][3]["content"] == "ls: cannot open '.': Permission denied"
+    body["messages"][-1]["content"][0]["is_error"] = "yes"
+    with pytest.raises(InvalidRequest) as raised:
+        parse(body)
+    assert "`is_error` must be true or false" in raised.value.message
 
 
 @pytest.mark.parametrize(
@@ -264,6 +286,78 @@ def test_stop_reasons_and_the_matched_stop_sequence() -> None:
     # vLLM names the stop string it matched (an int is a stop token id: the end of the turn).
     assert stop_reason("stop", "END", ("END",)) == ("stop_sequence", "END")
     assert stop_reason("stop", 151645, ("END",)) == ("end_turn", None)
+
+
+def test_an_answer_with_a_tool_call_stops_for_tool_use_whatever_the_chat_finish() -> None:
+    # A named (forced) tool_choice: vLLM and OpenAI finish with "stop", not "tool_calls".
+    assert stop_reason("stop", None, (), tool_used=True) == ("tool_use", None)
+    assert stop_reason("tool_calls", None, (), tool_used=True) == ("tool_use", None)
+    # A matched stop sequence and the length limit still say what ended the answer.
+    assert stop_reason("stop", "END", ("END",), tool_used=True) == ("stop_sequence", "END")
+    assert stop_reason("length", None, (), tool_used=True) == ("max_tokens", None)
+
+
+def _forced_call_completion() -> dict[str, Any]:
+    """What vLLM 0.32 answers to a named tool_choice (content "", finish_reason "stop")."""
+    call = {
+        "id": "chatcmpl-tool-1",
+        "type": "function",
+        "function": {"name": "set_flag", "arguments": '{"on": true}'},
+    }
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    choice = {"index": 0, "message": message, "finish_reason": "stop", "stop_reason": None}
+    return {"id": "chatcmpl-1", "model": "tiny", "choices": [choice]}
+
+
+def test_a_forced_tool_call_is_a_tool_use_message() -> None:
+    message = message_from_completion(_forced_call_completion(), message_id="msg_1", model="m")
+    assert message["content"] == [
+        {"type": "tool_use", "id": "chatcmpl-tool-1", "name": "set_flag", "input": {"on": True}}
+    ]
+    assert (message["stop_reason"], message["stop_sequence"]) == ("tool_use", None)
+    # The same finish without a tool call is the end of the turn.
+    plain = _forced_call_completion()
+    plain["choices"][0]["message"] = {"role": "assistant", "content": "hi"}
+    assert message_from_completion(plain, message_id="m", model="m")["stop_reason"] == "end_turn"
+
+
+def test_a_streamed_forced_tool_call_stops_for_tool_use() -> None:
+    stream = MessageStream(message_id="msg_2", model="m")
+    out = stream.start([_chunk({"role": "assistant", "content": ""})])
+    fragment = {"index": 0, "id": "t", "type": "function", "function": {"name": "set_flag"}}
+    out += stream.feed(_chunk({"tool_calls": [fragment]}))
+    out += stream.feed(_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}))
+    out += stream.feed(_chunk({}, "stop"))
+    seen = events(out + stream.finish())
+    assert seen[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert stream.message()["stop_reason"] == "tool_use"
+
+
+def test_message_start_names_the_served_model_and_the_prompt_length_of_the_first_batch() -> None:
+    stream = MessageStream(message_id="msg_3", model="default")
+    first = [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Hi"})]
+    seen = events(stream.start(first, input_tokens=42))
+    assert [name for name, _ in seen] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+    ]
+    start = seen[0][1]["message"]
+    assert start["model"] == "served" and stream.message()["model"] == "served"
+    assert start["usage"] == {
+        "input_tokens": 42,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+    # The model the record names wins (a first batch that came with the record); nothing known:
+    # the asked name and 0.
+    recorded = MessageStream(message_id="msg_4", model="default")
+    assert events(recorded.start([], model="real-id"))[0][1]["message"]["model"] == "real-id"
+    unknown = events(MessageStream(message_id="msg_5", model="default").start())[0][1]
+    assert unknown["message"]["model"] == "default"
+    assert unknown["message"]["usage"]["input_tokens"] == 0
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
