@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
+import orjson
 import pytest
 
 from rollgate.stack import Stack
 from rollgate.trajectory import Interaction
+from services.gateway.messages_translate import parse_request
 from tests.engine.client import (
     Seen,
     as_float32,
@@ -319,3 +322,139 @@ def test_kind_openai_records_text_and_logprobs_without_exact_ids(
 def chat_body_seen(raw: bytes) -> Seen:
     """Choice 0 of a non-streamed answer."""
     return from_completion(json.loads(raw))[0]
+
+
+# The same tool as TOOL, as an Anthropic client declares it.
+ANTHROPIC_TOOL = {
+    "name": "set_flag",
+    "description": "Sets the flag.",
+    "input_schema": TOOL["function"]["parameters"],  # type: ignore[index]
+}
+
+
+SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def sdk(stack: Stack, key: str) -> anthropic.Anthropic:
+    """An Anthropic client pointed at the gateway (it appends /v1/messages)."""
+    return anthropic.Anthropic(base_url=stack.gateway_url, api_key=key, max_retries=0)
+
+
+def translated(ask: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The chat body rollgate sends vLLM for a Messages request, as vLLM is asked directly:
+    the served id, with the ids and logprobs the worker asks for."""
+    chat_body = parse_request(orjson.dumps(ask)).chat
+    return chat_body | {
+        "model": MODEL,
+        "stream": stream,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+
+
+def message_through(stack: Stack, key: str, ask: dict[str, Any], stream: bool) -> tuple[Any, Any]:
+    """The Message the SDK got, and (streamed) the message of its message_start event."""
+    # The SDK (2.10) has no sampling arguments: they travel as extra body fields.
+    sampling = {name: ask[name] for name in SAMPLING if name in ask}
+    args = {name: value for name, value in ask.items() if name not in SAMPLING}
+    with sdk(stack, key) as client:
+        if not stream:
+            return client.messages.create(**args, extra_body=sampling), None
+        with client.messages.stream(**args, extra_body=sampling) as events:
+            starts = [event.message for event in events if event.type == "message_start"]
+            final = events.get_final_message()
+    [started] = starts
+    return final, started
+
+
+def assert_same_as_vllm_alone(interaction: Interaction, alone: Seen) -> None:
+    """The record of a Messages turn against its chat body sent straight to vLLM (greedy)."""
+    assert interaction.output_token_ids == alone.token_ids
+    assert interaction.prompt_token_ids == alone.prompt_token_ids
+    assert interaction.output_logprobs == pytest.approx(alone.logprobs, abs=LOGPROB_TOLERANCE)
+    assert len(interaction.output_logprobs) == len(interaction.output_token_ids)
+    assert interaction.exact_tokens and not interaction.length_mismatch
+    assert interaction.upstream_kind == "vllm" and interaction.model == MODEL
+    assert interaction.finish_reason == alone.finish_reason
+
+
+def _stop_sequence_request(vllm: Vllm) -> tuple[dict[str, Any], int, Seen]:
+    """A greedy Messages request whose answer (EOS allowed: Messages cannot ignore it) has a
+    token at its fourth position or later whose text is new there: (request, position, the
+    answer vLLM gives its chat body)."""
+    for text in ("Tell me about Paris.", "Hello! How are you?", "Count: 1 2 3", "Hi"):
+        # `default`, as AReaL's and Anthropic-style clients send it: an alias of the served model.
+        ask = {
+            "model": "default",
+            "max_tokens": 16,
+            "temperature": 0,
+            "system": "Be brief.",
+            "messages": [{"role": "user", "content": text}],
+        }
+        probe = direct(vllm, translated(ask, stream=False))[0]
+        for position, token in enumerate(probe.tokens):
+            earlier = "".join(probe.tokens[:position])
+            if position >= 3 and token.strip() and token != EOS and token not in earlier:
+                return ask, position, probe
+    raise AssertionError("no prompt gave a greedy answer long enough for a stop sequence")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_anthropic_messages_with_a_stop_sequence_record_what_vllm_answers_directly(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    unstopped, stop_at, probe = _stop_sequence_request(vllm)
+    stop = probe.tokens[stop_at]
+    key = start_session(stack, "engine-messages")
+    ask = unstopped | {"stop_sequences": [stop]}
+    message, started = message_through(stack, key, ask, stream)
+    alone = direct(vllm, translated(ask, stream))[0]
+    [interaction] = end_and_read(stack, key)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert (alone.finish_reason, alone.stop_reason) == ("stop", stop)
+    # The stop string's token is sampled and recorded; its text reaches nobody.
+    assert probe.token_ids is not None
+    assert interaction.output_token_ids == probe.token_ids[: stop_at + 1]
+    [block] = message.content
+    assert block.type == "text" and not block.text.endswith(stop)
+    assert block.text == interaction.output["content"] == alone.content
+    assert interaction.interaction_id == message.id and message.id.startswith("msg_")
+    assert interaction.messages[0] == {"role": "system", "content": "Be brief."}
+    assert_same_as_vllm_alone(interaction, alone)
+    # What the client was told of the tokens is what was recorded.
+    assert message.model == MODEL
+    assert message.usage.output_tokens == len(interaction.output_token_ids)
+    assert message.usage.input_tokens == len(interaction.prompt_token_ids)
+    if started is not None:
+        # message_start already names the served model and the prompt's length.
+        assert started.model == MODEL
+        assert started.usage.input_tokens == len(interaction.prompt_token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_an_anthropic_forced_tool_call_stops_for_tool_use_on_vllm(
+    stack: Stack, vllm: Vllm, stream: bool
+) -> None:
+    key = start_session(stack, "engine-messages-tool")
+    ask = {
+        "model": MODEL,
+        "max_tokens": 32,
+        "temperature": 0,
+        "tools": [ANTHROPIC_TOOL],
+        "tool_choice": {"type": "tool", "name": "set_flag"},
+        "messages": [{"role": "user", "content": "Set the flag."}],
+    }
+    message, _ = message_through(stack, key, ask, stream)
+    alone = direct(vllm, translated(ask, stream))[0]
+    [interaction] = end_and_read(stack, key)
+    # vLLM ends a named tool_choice with finish_reason "stop"; Anthropic says tool_use.
+    assert alone.finish_reason == "stop" and interaction.finish_reason == "stop"
+    assert message.stop_reason == "tool_use" and message.stop_sequence is None
+    [tool_use] = [block for block in message.content if block.type == "tool_use"]
+    assert tool_use.name == "set_flag" and tool_use.input in ({"on": True}, {"on": False})
+    [recorded] = interaction.output["tool_calls"]
+    assert recorded["id"] == tool_use.id and recorded["function"]["name"] == "set_flag"
+    assert json.loads(recorded["function"]["arguments"]) == tool_use.input
+    assert interaction.tools == translated(ask, stream)["tools"]
+    assert_same_as_vllm_alone(interaction, alone)
+    assert interaction.output_token_ids[-1] == vllm.tokenizer.token_to_id(EOS)
