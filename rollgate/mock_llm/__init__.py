@@ -17,7 +17,8 @@ reference): usage only with `stream_options.include_usage`, `system_fingerprint`
 usage chunk, `prompt_token_ids` on every choice's first (role) chunk, `finish_reason` and
 `stop_reason` on the last token's chunk (no empty closing chunk), an EOS token
 (`<|im_end|>`) sampled at a natural stop whose id and logprob are sent but not its text, a
-stop string's token likewise, errors as `{"error": {message, type: NotFoundError |
+stop string's token likewise, a `tool_choice` naming one of the request's functions forcing a
+call of it that ends with `finish_reason: "stop"` (not `tool_calls`), errors as `{"error": {message, type: NotFoundError |
 BadRequestError, param, code: <status>}}`. `stop` is honoured by every flavor.
 
 Deterministic: a word-level tokenizer with ids from a stable hash, a simple chat template,

@@ -132,6 +132,9 @@ class Sampling:
     # vLLM: EOS is sampled at a natural stop (its id and logprob sent, never its text), and a
     # lone UTF-8 fragment can be (`/utf8-fragment`).
     eos: bool = False
+    # vLLM: a `tool_choice` naming one of the request's functions forces a call of it, which
+    # ends with finish_reason "stop" (as OpenAI ends one), not "tool_calls".
+    named_tool_choice: bool = False
 
 
 def plan_chat(
@@ -188,7 +191,12 @@ def _plan_answer(
         tokens += _reasoning(make, raw_markup=sampling.raw_markup)
     tool_name: str | None = None
     echo = echo_of(user_text)
-    if isinstance(tools, list) and tools and "/tool" in user_text:
+    forced = _named_tool(body.get("tool_choice"), tools) if sampling.named_tool_choice else None
+    if forced is not None:
+        tool_name = forced
+        tokens += _tool_call(make, tool_name, echo, raw_markup=sampling.raw_markup)
+        finish_reason = "stop"
+    elif isinstance(tools, list) and tools and "/tool" in user_text:
         tool_name = _tool_name(tools[0])
         tokens += _tool_call(make, tool_name, echo, raw_markup=sampling.raw_markup)
         finish_reason = "tool_calls"
@@ -205,7 +213,7 @@ def _plan_answer(
         finish_reason = "stop"
     elif sampling.eos:
         # A natural stop samples EOS: its id and logprob are sent, its text never is.
-        channel = "tool" if finish_reason == "tool_calls" else "content"
+        channel = "tool" if tool_name is not None else "content"
         eos = make(EOS_PIECE, channel, "")
         tokens.append(dataclasses.replace(eos, fixed_id=EOS_ID))
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -251,6 +259,17 @@ def _reasoning(make: Make, *, raw_markup: bool) -> list[Token]:
         make("</think>", "markup", ""),
         make("\n\n", "markup", ""),
     ]
+
+
+def _named_tool(choice: Any, tools: Any) -> str | None:
+    """The function a `{"type": "function", "function": {"name"}}` tool_choice names, when the
+    request's tools have it."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    names = {_tool_name(tool) for tool in tools} if isinstance(tools, list) else set()
+    return name if isinstance(name, str) and name in names else None
 
 
 def _tool_name(first: Any) -> str:

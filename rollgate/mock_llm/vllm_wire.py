@@ -2,7 +2,8 @@
 team's vllm_wire reference): `return_token_ids` honoured, usage only with
 `stream_options.include_usage`, `system_fingerprint` only on the usage chunk, `prompt_token_ids`
 on every choice's first (role) chunk, `finish_reason` and `stop_reason` on the last token's
-chunk (no empty closing chunk), EOS sampled at a natural stop, content `""` not null, no
+chunk (no empty closing chunk), EOS sampled at a natural stop, a named `tool_choice` forcing
+that call with finish_reason "stop", content `""` not null, no
 `refusal` in logprobs, errors as `{"error": {message, type: NotFoundError | BadRequestError,
 param, code: <status>}}`."""
 
@@ -28,7 +29,7 @@ class VllmWire(OpenAIWire):
     """What a vLLM server sends."""
 
     flavor: ClassVar[str] = "vllm"
-    sampling: ClassVar[Sampling] = Sampling(eos=True)
+    sampling: ClassVar[Sampling] = Sampling(eos=True, named_tool_choice=True)
     token_ids: ClassVar[bool] = True
 
     def refusal(self, body: dict[str, Any]) -> web.Response | None:

@@ -192,6 +192,34 @@ async def test_a_tool_use_round_trip_with_claude_codes_bash_tool(
     ]
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_forced_tool_call_stops_for_tool_use_though_the_upstream_says_stop(
+    stack: Stack, redis_client: aioredis.Redis, streamed: bool
+) -> None:
+    key = (await _start(stack))["api_key"]
+    read_tool = {**BASH_TOOL, "name": "Read"}
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 256,
+        "tools": [BASH_TOOL, read_tool],
+        "tool_choice": {"type": "tool", "name": "Read"},
+        "messages": [{"role": "user", "content": "open the readme"}],
+    }
+    async with client(stack, key) as sdk:
+        if streamed:
+            async with sdk.messages.stream(**asked) as stream:
+                message = await stream.get_final_message()
+        else:
+            message = await sdk.messages.create(**asked)
+    assert message.stop_reason == "tool_use" and message.stop_sequence is None
+    (tool_use,) = message.content
+    assert tool_use.type == "tool_use" and tool_use.name == "Read"
+    (interaction,) = (await published(stack, redis_client, key))["interactions"]
+    # The upstream (the mock, as vLLM does for a named tool_choice) finished with "stop".
+    assert interaction["finish_reason"] == "stop"
+    assert interaction["output"]["tool_calls"][0]["function"]["name"] == "Read"
+
+
 async def test_claude_codes_raw_stream_is_anthropics_event_sequence_and_rewardable(
     stack: Stack, redis_client: aioredis.Redis
 ) -> None:

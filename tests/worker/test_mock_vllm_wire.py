@@ -96,6 +96,49 @@ async def test_a_lone_utf8_fragment_is_an_empty_token_and_a_replacement_characte
     assert not after["logprobs"]["content"][0]["token"].startswith("\ufffd")
 
 
+def _function(name: str) -> dict[str, Any]:
+    parameters = {"type": "object", "properties": {"query": {"type": "string"}}}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+NAMED = {"type": "function", "function": {"name": "second"}}
+
+
+async def test_a_named_tool_choice_forces_that_call_and_finishes_with_stop(mock: MockLLM) -> None:
+    tools = [_function("first"), _function("second")]
+    status, raw = await post(mock, tools=tools, tool_choice=NAMED, return_token_ids=True)
+    assert status == 200
+    [choice] = orjson.loads(raw)["choices"]
+    # As vLLM 0.32 (and OpenAI) answer a named tool_choice: the call, finish_reason "stop".
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "second" and choice["message"]["content"] == ""
+    assert orjson.loads(call["function"]["arguments"]) == {"query": "hello there"}
+    assert choice["token_ids"][-1] == EOS_ID
+
+    status, raw = await post(mock, tools=tools, tool_choice=NAMED, stream=True)
+    assert status == 200
+    streamed = chunks(raw)
+    fragments = [f for c in streamed for f in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert fragments[0]["function"]["name"] == "second" and len(fragments) >= 2
+    assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_other_tool_choices_keep_the_mocks_answers(mock: MockLLM) -> None:
+    tools = [_function("first"), _function("second")]
+    # "auto": the model decides, and the mock's model replies with text.
+    status, raw = await post(mock, tools=tools, tool_choice="auto")
+    [answer] = orjson.loads(raw)["choices"]
+    assert status == 200 and answer["finish_reason"] == "stop"
+    assert "tool_calls" not in answer["message"]
+    # `/tool` still calls the first tool and finishes with tool_calls.
+    messages = [{"role": "user", "content": "go /tool"}]
+    status, raw = await post(mock, tools=tools, messages=messages)
+    [answer] = orjson.loads(raw)["choices"]
+    assert answer["finish_reason"] == "tool_calls"
+    assert answer["message"]["tool_calls"][0]["function"]["name"] == "first"
+
+
 async def test_n_2_streams_the_prompt_ids_on_each_choices_role_chunk(mock: MockLLM) -> None:
     status, raw = await post(mock, stream=True, n=2, return_token_ids=True, max_tokens=2)
     assert status == 200
