@@ -398,19 +398,63 @@ class ReleaseTurn(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TICKET_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
+    @_builtins.property
+    def failure(self) -> Global___TurnFailure:
+        """Set only when the turn failed (not when its client went away): the failure, for the
+        console's error list (the gateway calls the worker itself, so no dataproxy RPC saw it).
+        """
+
     def __init__(
         self,
         *,
         ticket: _builtins.bytes = ...,
+        failure: Global___TurnFailure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseTurn: _TypeAlias = ReleaseTurn  # noqa: Y015
+
+@_typing.final
+class TurnFailure(_message.Message):
+    """What failed in a turn, as its client was told: never an RPC's details (which can name
+    addresses), never a secret.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    method: _builtins.str
+    """The call that failed: "Worker.Generate", "Worker.Complete" or "Ledger.record"."""
+    status: _builtins.str
+    """The error's gRPC status code name (RESOURCE_EXHAUSTED, UNAVAILABLE, ...)."""
+    code: _builtins.str
+    """The rollgate error code (upstream_rate_limited, worker_unavailable, ...)."""
+    message: _builtins.str
+    """The message the client got."""
+    def __init__(
+        self,
+        *,
+        method: _builtins.str = ...,
+        status: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "method", b"method", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnFailure: _TypeAlias = TurnFailure  # noqa: Y015
 
 @_typing.final
 class TurnRecorded(_message.Message):

@@ -19,7 +19,7 @@ from services.dataproxy.conversations_servicer import (
 from services.dataproxy.error_log import ErrorLog
 from services.dataproxy.history import HistorySampler
 from services.dataproxy.keys_servicer import add_KeysServicer_to_server, build_keys
-from services.dataproxy.ledger_streams import LedgerStreams, OpHook
+from services.dataproxy.ledger_streams import FailureHook, LedgerStreams, OpHook
 from services.dataproxy.metrics import DataProxyMetrics, global_values
 from services.dataproxy.overview import Overview
 from services.dataproxy.reaper import Reaper
@@ -85,10 +85,12 @@ def build_dataproxy(
     store: SessionStore | None = None,
     control: Control | None = None,
     on_op: OpHook | None = None,
+    on_failure: FailureHook | None = None,
     tracer: Tracer | None = None,
 ) -> tuple[DataProxyServicer, LedgerStreams]:
     """The DataProxy servicer over one Redis client and the process's weight-version view,
-    and its ledger streams (drained first on shutdown; `on_op` sees each ledger op end)."""
+    and its ledger streams (drained first on shutdown; `on_op` sees each ledger op end,
+    `on_failure` each failed turn a gateway reports)."""
     store = store or build_store(redis=redis, settings=settings)
     keys = RedisKeys(settings.redis_prefix)
     control = control or build_control(redis=redis, keys=keys, settings=settings)
@@ -96,6 +98,7 @@ def build_dataproxy(
         ledger=TurnLedger(store=store, control=control),
         versions=versions,
         on_op=on_op,
+        on_failure=on_failure,
         tracer=tracer,
     )
     return DataProxyServicer(store=store, ledger=streams), streams
@@ -175,6 +178,9 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             store=store,
             control=control,
             on_op=ledger_metrics(metrics.rpc, errors.record),
+            on_failure=lambda f: errors.record_turn_failure(
+                call=f.method, status=f.status, code=f.code, message=f.message
+            ),
             tracer=tracer,
         )
         dataproxy_pb2_grpc.add_DataProxyServicer_to_server(servicer, server.server)

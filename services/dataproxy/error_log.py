@@ -1,4 +1,5 @@
-"""The console's error list: failed RPCs of every replica, newest first, in Redis (`P errors`).
+"""The console's error list: failed RPCs of every replica and failed turns (the gateway
+reports the worker's failures with the turn's release), newest first, in Redis (`P errors`).
 
 Recording never blocks an RPC: events go through a small queue that a background task writes
 out; when Redis is slow the queue fills and further events are only counted, not stored."""
@@ -7,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from types import TracebackType
 
+import grpc
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.logs import get_logger
+from services.runtime.secret import scrub
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -28,6 +32,23 @@ MESSAGE_CHARS = 300
 WRITE_TIMEOUT_S = 5.0
 # Codes that are not failures of the system: a client that went away.
 IGNORED_CODES = frozenset({"OK", "CANCELLED"})
+# The calls a gateway reports a turn's failure for (anything else is shown as "turn").
+FAILED_CALLS = frozenset({"Worker.Generate", "Worker.Complete", "Ledger.record"})
+STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
+# Messages are meant for clients, but the list is read by people who are not the client:
+# whatever looks like an address (a URL, host:port, an IP) is masked as well as secrets.
+_ADDRESS = re.compile(
+    r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+"
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b"
+    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b",
+    re.IGNORECASE,
+)
+_CODE = re.compile(r"[^a-z0-9_]")
+
+
+def clean_message(message: str) -> str:
+    """`message` bounded, without secrets or addresses."""
+    return _ADDRESS.sub("<address>", scrub(message[: MESSAGE_CHARS * 2]))[:MESSAGE_CHARS]
 
 
 class ErrorLog:
@@ -48,12 +69,20 @@ class ErrorLog:
             "t": time.time(),
             "method": method.rpartition("/")[2],
             "code": code,
-            "message": message[:MESSAGE_CHARS],
+            "message": clean_message(message),
         }
         try:
             self._queue.put_nowait(orjson.dumps(event))
         except asyncio.QueueFull:
             self.dropped += 1
+
+    def record_turn_failure(self, *, call: str, status: str, code: str, message: str) -> None:
+        """Queues a turn's failure a gateway reported (the call, the error's gRPC status name,
+        its rollgate code and the client's message); each value is checked, not trusted."""
+        call = call if call in FAILED_CALLS else "turn"
+        status = status if status in STATUS_NAMES else "UNKNOWN"
+        code = _CODE.sub("", code.lower())[:64] or "error"
+        self.record(f"/{call}", status, f"{code}: {message}")
 
     async def _write(self) -> None:
         while True:

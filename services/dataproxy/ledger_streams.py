@@ -50,6 +50,9 @@ class _Stream:
 # Called with (op, gRPC status code name, seconds, error message) as each op ends: the
 # process's RPC metrics count ledger ops like RPCs (method `Ledger.<op>`). Must not block.
 OpHook = Callable[[str, str, float, str], None]
+# Called with a failed turn's TurnFailure (from its release: the gateway called the worker, so
+# no RPC of this process saw it fail). Must not block.
+FailureHook = Callable[[dataproxy_pb2.TurnFailure], None]
 
 
 class LedgerStreams:
@@ -61,11 +64,13 @@ class LedgerStreams:
         ledger: TurnLedger,
         versions: WeightVersionView,
         on_op: OpHook | None = None,
+        on_failure: FailureHook | None = None,
         tracer: Tracer | None = None,
     ) -> None:
         self._ledger = ledger
         self._versions = versions
         self._on_op = on_op
+        self._on_failure = on_failure
         self._tracer = tracer
         self._streams: set[_Stream] = set()
         self._closing = False
@@ -202,8 +207,11 @@ class LedgerStreams:
                 )
             )
         if kind == "release":
-            self._forget(request.release.ticket)
-            await self._ledger.release(request.release.ticket)
+            release = request.release
+            self._forget(release.ticket)
+            if release.HasField("failure") and self._on_failure is not None:
+                self._on_failure(release.failure)
+            await self._ledger.release(release.ticket)
             return dataproxy_pb2.LedgerResponse(released=True)
         raise InvalidRequest("a ledger request needs begin, record or release")
 

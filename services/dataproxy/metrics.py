@@ -128,7 +128,7 @@ def global_values(overview: Overview) -> Refresh:
             ),
             counter(
                 "rollgate_rpc_errors_recorded",
-                "Failed dataproxy RPCs of every replica (the console's error list).",
+                "Failed dataproxy RPCs and failed turns of every replica (the console's error list).",
                 c.errors,
             ),
             gauge("rollgate_weight_version", "The current weight version.", c.weight_version),

@@ -234,11 +234,26 @@ class LedgerClient:
         recorded = _result(answer, "recorded").recorded
         return Recorded(interaction_id=recorded.interaction_id, session_id=recorded.session_id)
 
-    async def release(self, *, route_key: str, ticket: bytes, timeout_s: float) -> None:
-        """The turn ended without a record: its lease goes."""
+    async def release(
+        self,
+        *,
+        route_key: str,
+        ticket: bytes,
+        timeout_s: float,
+        failure: RollgateError | None = None,
+        failed_call: str = "",
+    ) -> None:
+        """The turn ended without a record: its lease goes; `failure` (what the client was
+        told, and the call that failed) goes to the console's error list."""
+        release = dataproxy_pb2.ReleaseTurn(ticket=ticket)
+        if failure is not None:
+            release.failure.method = failed_call
+            release.failure.status = failure.grpc_status.name
+            release.failure.code = failure.code
+            release.failure.message = failure.message
         answer = await self._ask(
             route_key,
-            dataproxy_pb2.LedgerRequest(release=dataproxy_pb2.ReleaseTurn(ticket=ticket)),
+            dataproxy_pb2.LedgerRequest(release=release),
             timeout_s=timeout_s,
             attempts=RELEASE_ATTEMPTS,
         )

@@ -324,6 +324,7 @@ class TurnRelay:
         admitted: Admitted | None = None
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
         answered = False
+        failure: RollgateError | None = None
         call: _GenerateCall = None
         clock = TurnClock(self._metrics, stream=True)
         try:
@@ -361,6 +362,7 @@ class TurnRelay:
             )
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
+            failure = err
             clock.failed(err)
             raise
         finally:
@@ -368,12 +370,14 @@ class TurnRelay:
                 # Stops the generation when the caller gave up or the turn failed.
                 call.cancel()
             if admitted is not None and not ended:
-                await self._release(spec, admitted)
+                failed_call = "Ledger.record" if recording else "Worker.Generate"
+                await self._release(spec, admitted, failure, failed_call)
 
     async def complete(self, spec: TurnSpec) -> tuple[bytes, Done]:
         """One non-streaming turn: the body for the client and Done, after the record."""
         admitted: Admitted | None = None
         recording = ended = False
+        failure: RollgateError | None = None
         clock = TurnClock(self._metrics, stream=False)
         try:
             choice = await self._route(spec)
@@ -400,11 +404,13 @@ class TurnRelay:
             return answer.body_json, Done(**done)
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
+            failure = err
             clock.failed(err)
             raise
         finally:
             if admitted is not None and not ended:
-                await self._release(spec, admitted)
+                failed_call = "Ledger.record" if recording else "Worker.Complete"
+                await self._release(spec, admitted, failure, failed_call)
 
     async def _route(self, spec: TurnSpec, avoid_worker_id: str = "") -> WorkerChoice:
         return await self._routes.choose(
@@ -505,11 +511,18 @@ class TurnRelay:
             "model": record.upstream_model or spec.model,
         }
 
-    async def _release(self, spec: TurnSpec, admitted: Admitted) -> None:
+    async def _release(
+        self, spec: TurnSpec, admitted: Admitted, failure: RollgateError | None, failed_call: str
+    ) -> None:
         # Shielded: a cancelled turn still stops counting as in flight (else its lease expires).
+        # A failure travels with the release: no dataproxy RPC saw the worker's call fail.
         with contextlib.suppress(Exception):
             await asyncio.shield(
                 self._ledger.release(
-                    route_key=spec.route_key, ticket=admitted.ticket, timeout_s=RELEASE_TIMEOUT_S
+                    route_key=spec.route_key,
+                    ticket=admitted.ticket,
+                    timeout_s=RELEASE_TIMEOUT_S,
+                    failure=failure,
+                    failed_call=failed_call,
                 )
             )

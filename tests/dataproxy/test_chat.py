@@ -281,6 +281,40 @@ async def test_client_cancel_cancels_the_worker_call_and_releases_the_lease(
     await eventually(stack.in_flight, want=0)
 
 
+async def _error_list(stack: Stack) -> list[dict[str, Any]]:
+    raw: Any = await stack.redis.lrange(stack.keys.errors, 0, -1)
+    return [orjson.loads(event) for event in raw]
+
+
+async def test_failed_turns_reach_the_error_list_with_what_the_client_was_told(
+    stack: Stack,
+) -> None:
+    # The gateway calls the worker itself: the failure travels with the turn's release.
+    _, digest = await stack.start()
+    refused = await relay_error(stack.complete(digest, "please /fail-429"))
+    await eventually(stack.in_flight, want=0)
+    # A client that goes away is no failure: nothing is added for it.
+    hung = asyncio.create_task(stack.stream(digest, "/hang"))
+    await eventually(lambda: stack.mock.stats.requests == 2)
+    hung.cancel()
+    await eventually(stack.in_flight, want=0)
+    broken = await relay_error(stack.stream(digest, "/fail-midstream"))
+
+    async def listed() -> list[dict[str, Any]] | None:
+        events = await _error_list(stack)
+        return events if len(events) >= 2 else None
+
+    events = await eventually(listed, what="the two failed turns listed")
+    assert [(e["method"], e["code"]) for e in events] == [
+        ("Worker.Generate", "UNKNOWN"),
+        ("Worker.Complete", "RESOURCE_EXHAUSTED"),
+    ]
+    assert events[0]["message"] == f"upstream_broken_stream: {broken.message}"
+    assert events[1]["message"] == f"upstream_rate_limited: {refused.message}"
+    assert int(await stack.redis.hget(stack.keys.stats, "errors") or 0) == 2
+    assert await stack.turns(digest) == []
+
+
 async def test_turn_past_its_deadline_times_out_and_is_not_recorded(stack: Stack) -> None:
     _, digest = await stack.start()
 

@@ -243,3 +243,25 @@ async def test_failed_rpcs_are_kept_newest_first_and_counted(chain: Chain) -> No
     ]
     assert len(events[1]["message"]) == 300
     assert (await chain.overview.counters()).errors == 2
+
+
+async def test_a_reported_turn_failure_is_checked_and_keeps_no_secret_or_address(
+    chain: Chain,
+) -> None:
+    async with ErrorLog(redis=chain.redis, keys=chain.keys) as errors:
+        errors.record_turn_failure(
+            call="Worker.Complete",
+            status="UNAVAILABLE",
+            code="upstream_unavailable",
+            message="cannot reach http://10.0.0.7:8000/v1 (worker-3:50061, 10.1.2.3) with "
+            "Bearer abc.def and sk-sess-" + "k" * 20,
+        )
+        errors.record_turn_failure(call="rm -rf", status="BOGUS", code="<b>Nope</b>", message="x")
+        await errors.flush()
+    forged, reported = await chain.overview.errors(limit=10)
+    assert (reported["method"], reported["code"]) == ("Worker.Complete", "UNAVAILABLE")
+    assert reported["message"] == (
+        "upstream_unavailable: cannot reach <address> (<address>, <address>) with "
+        "Bearer *** and sk-sess-***"
+    )
+    assert (forged["method"], forged["code"], forged["message"]) == ("turn", "UNKNOWN", "bnopeb: x")

@@ -22,6 +22,7 @@ from rollgate.stack import Stack
 from rollgate.trainer_client import TrainerClient
 from tests.deploy.test_grafana import metric_names as dashboard_metric_names
 from tests.end_to_end.test_walkthrough import chat_body, request
+from tests.harness.poll import eventually_sync
 from tests.harness.processes import log_level_env, stack_config
 
 ROLLGATE = str(Path(sys.executable).parent / "rollgate")
@@ -242,6 +243,13 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
         )
         == 1
     )
+    # ... and listed with the dataproxy's errors (the two unknown keys, then this one), which
+    # the console and `rollgate status` show.
+    eventually_sync(
+        lambda: value(scrape(urls["dataproxy"]), "rollgate_rpc_errors_recorded_total"),
+        want=3,
+        what="the refused turn in the error list",
+    )
 
     router = pages["router"]
     assert value(router, "rollgate_metrics_global_exporter") == 1
@@ -288,6 +296,8 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
     row = next(line.split() for line in screen.splitlines() if line.strip().startswith(GROUP))
     assert row[:4] == [GROUP, "1", str(SESSIONS - 3), "1"]
     assert "UNAUTHENTICATED" in screen
+    errors = screen[screen.index("errors (last 3 of 3 recorded)") :]
+    assert "Worker.Complete  RESOURCE_EXHAUSTED  upstream_rate_limited: " in errors
     assert stack.config.admin_key not in screen
     wrong = subprocess.run(
         [ROLLGATE, "status", "--gateway", stack.gateway_url],

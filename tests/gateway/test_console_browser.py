@@ -47,7 +47,7 @@ async def _run_workload(
     url: str, http: aiohttp.ClientSession, trainer: trainer_pb2_grpc.TrainerStub
 ) -> tuple[list[str], str]:
     """Three published episodes (the third after a version change), one left open, one chat
-    with an unknown key; a trainer pulls two and acks one."""
+    with an unknown key, one the upstream refuses (429); a trainer pulls two and acks one."""
     keys = []
     for i, reward in enumerate(REWARDS):
         if i == 2:
@@ -76,6 +76,9 @@ async def _run_workload(
     assert (await _post(http, url + "/v1/chat/completions", started["api_key"], body))[0] == 200
     unknown = "sk-sess-" + "u" * 43
     assert (await _post(http, url + "/v1/chat/completions", unknown, body))[0] == 401
+    # Refused by the upstream, behind the worker: the gateway reports it with the release.
+    refused = {"model": MOCK_MODEL, "messages": [{"role": "user", "content": "please /fail-429"}]}
+    assert (await _post(http, url + "/v1/chat/completions", started["api_key"], refused))[0] == 429
     pull = trainer.PullTrajectories(
         trainer_pb2.PullTrajectoriesRequest(
             group="g1", consumer="c", max_count=2, idle_timeout_s=2
@@ -188,8 +191,14 @@ async def test_live_page_and_viewer_in_headless_chromium(
         assert sessions == [[workload.open_session, "active", "1"]]
         recent = await page.evaluate("document.querySelectorAll('#recent tbody tr').length")
         assert recent == 3
-        errors = await _text(page, "#errors")
-        assert "UNAUTHENTICATED" in errors and "Ledger.begin" in errors
+        await page.wait_for("document.getElementById('errors').textContent.includes('Worker')")
+        rows = await page.evaluate(
+            "[...document.querySelectorAll('#errors tbody tr')].map(r => [...r.cells].slice(1).map(c => c.textContent))"
+        )
+        assert ["Ledger.begin", "UNAUTHENTICATED"] in [row[:2] for row in rows]
+        (upstream,) = [row for row in rows if row[0] == "Worker.Complete"]
+        assert upstream[1] == "RESOURCE_EXHAUSTED"
+        assert upstream[2].startswith("upstream_rate_limited: the upstream is rate limiting")
         # One dot per published trajectory on the rewards chart.
         assert await page.evaluate("document.querySelectorAll('#chart-rewards circle').length") == 3
         # It keeps updating by itself.
