@@ -41,7 +41,11 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
             ) from err
         keys = RouterKeys(settings.redis_prefix)
         registry = Registry(
-            redis, keys=keys, lease_s=settings.lease_s, affinity_ttl_s=settings.affinity_ttl_s
+            redis,
+            keys=keys,
+            lease_s=settings.lease_s,
+            affinity_ttl_s=settings.affinity_ttl_s,
+            forget_after_s=settings.forget_after_s,
         )
         metrics = ServiceMetrics("router")
         lease = ExporterLease(redis, key=keys.metrics_exporter)

@@ -48,9 +48,19 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # session's affinity, refreshed: its expiry and its last use in its worker's session set.
 # Each worker's set `ARGV[1] .. worker_id` loses the sessions unused for the affinity TTL
 # (their affinities have expired), so its size counts the live affinities naming the worker.
+# First, workers whose last heartbeat is older than ARGV[4] (unix time: the router's clock,
+# the one that stamps heartbeats) leave the registry, as a deregistration would remove them;
+# their ids come back as the sixth element.
 _SNAPSHOT_LUA = (
     _NOW_MS_LUA
     + """
+local forgotten = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
+for _, id in ipairs(forgotten) do
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('DEL', ARGV[1] .. id)
+end
 local ttl_ms = tonumber(ARGV[2])
 local current = ''
 if KEYS[4] then
@@ -72,7 +82,7 @@ for i = 1, #workers, 2 do
   counts[#counts + 1] = redis.call('ZCARD', set)
 end
 return {current, workers, redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES'),
-        redis.call('HGETALL', KEYS[3]), counts}
+        redis.call('HGETALL', KEYS[3]), counts, forgotten}
 """
 )
 
@@ -139,11 +149,13 @@ class Registry:
         keys: RouterKeys,
         lease_s: float,
         affinity_ttl_s: float,
+        forget_after_s: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._redis = redis
         self._keys = keys
         self._lease_s = lease_s
+        self._forget_after_s = forget_after_s
         self._affinity_ttl_ms = max(1, round(affinity_ttl_s * 1000))
         self._clock = clock
         self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
@@ -250,13 +262,22 @@ class Registry:
         )
 
     async def _read(self, *, keys: Sequence[str], member: str = "") -> list[Any]:
-        """One snapshot script: [affinity, workers, heartbeats, in-flight, session counts]."""
+        """One snapshot script: [affinity, workers, heartbeats, in-flight, session counts],
+        after forgetting the workers silent for longer than `forget_after_s`."""
         k = self._keys
+        forget_before = self._clock() - self._forget_after_s
         reply = await self._snapshot(
             keys=[k.workers, k.heartbeats, k.in_flight, *keys],
-            args=[k.worker_sessions(""), self._affinity_ttl_ms, member],
+            args=[k.worker_sessions(""), self._affinity_ttl_ms, member, f"{forget_before:.6f}"],
         )
-        return list(reply)
+        *snapshot, forgotten = reply
+        for raw_id in forgotten:
+            log.info(
+                "worker_forgotten",
+                worker_id=raw_id.decode(),
+                silent_for_more_than_s=self._forget_after_s,
+            )
+        return list(snapshot)
 
     def _workers_from(self, replies: Sequence[Any]) -> list[WorkerState]:
         raw_workers, heartbeats, in_flight, sessions = (_pairs(reply) for reply in replies)

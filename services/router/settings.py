@@ -25,6 +25,9 @@ class RouterSettings:
     lease_s: float = 6.0
     # How often workers are told to heartbeat.
     heartbeat_interval_s: float = 1.0
+    # A worker silent this long leaves the registry (and its per-worker metric series go):
+    # workers that die without deregistering, each restart a new id, must not pile up.
+    forget_after_s: float = 60.0
     affinity_ttl_s: float = AFFINITY_TTL_S
     # Upper bound on the Redis work of one RPC (less when the caller's deadline is shorter).
     redis_timeout_s: float = 5.0
@@ -44,6 +47,12 @@ class RouterSettings:
                 f"the heartbeat interval ({self.heartbeat_interval_s}s, "
                 "ROLLGATE_HEARTBEAT_INTERVAL_S), and both positive"
             )
+        if self.forget_after_s < self.lease_s:
+            raise ValueError(
+                f"a silent worker is forgotten after {self.forget_after_s}s "
+                "(ROLLGATE_WORKER_FORGET_AFTER_S), which must be at least its lease "
+                f"({self.lease_s}s, ROLLGATE_WORKER_LEASE_S)"
+            )
 
     @classmethod
     def from_env(
@@ -61,6 +70,7 @@ class RouterSettings:
             redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),
             lease_s=env_float(environ, "ROLLGATE_WORKER_LEASE_S", 6.0),
             heartbeat_interval_s=env_float(environ, "ROLLGATE_HEARTBEAT_INTERVAL_S", 1.0),
+            forget_after_s=env_float(environ, "ROLLGATE_WORKER_FORGET_AFTER_S", 60.0),
             grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),
             log_level=env_str(environ, "ROLLGATE_LOG_LEVEL", "info"),
             log_json=None if raw_json == "auto" else env_bool(environ, "ROLLGATE_LOG_JSON", False),

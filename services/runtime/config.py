@@ -86,6 +86,7 @@ class RouterConfig:
     address: str = "127.0.0.1:50051"
     worker_lease_s: float | None = None
     heartbeat_interval_s: float | None = None
+    worker_forget_after_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -453,6 +454,7 @@ def _from_rollgate(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateC
             address=router.string("address", "127.0.0.1:50051"),
             worker_lease_s=router.number("worker_lease_s"),
             heartbeat_interval_s=router.number("heartbeat_interval_s"),
+            worker_forget_after_s=router.number("worker_forget_after_s"),
         ),
         dataproxy=DataProxyConfig(
             address=dataproxy.string("address", "127.0.0.1:50052"),
@@ -773,6 +775,7 @@ def settings_env(
     elif service == "router":
         _put(env, "ROLLGATE_WORKER_LEASE_S", config.router.worker_lease_s)
         _put(env, "ROLLGATE_HEARTBEAT_INTERVAL_S", config.router.heartbeat_interval_s)
+        _put(env, "ROLLGATE_WORKER_FORGET_AFTER_S", config.router.worker_forget_after_s)
     elif service == "dataproxy":
         _put(env, "ROLLGATE_TURN_TIMEOUT_S", config.dataproxy.turn_timeout_s)
         _put(env, "ROLLGATE_REFRESH_TIMEOUT_S", config.dataproxy.refresh_timeout_s)

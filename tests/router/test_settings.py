@@ -41,3 +41,18 @@ def test_a_lease_not_longer_than_the_heartbeat_interval_is_refused() -> None:
         RouterSettings.from_env(
             {"ROLLGATE_WORKER_LEASE_S": "1", "ROLLGATE_HEARTBEAT_INTERVAL_S": "1"}
         )
+
+
+def test_a_silent_worker_is_forgotten_after_a_minute_unless_set() -> None:
+    assert RouterSettings.from_env({}).forget_after_s == 60.0
+    settings = RouterSettings.from_env({"ROLLGATE_WORKER_FORGET_AFTER_S": "20"})
+    assert settings.forget_after_s == 20.0
+
+
+def test_forgetting_a_worker_before_its_lease_ends_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"ROLLGATE_WORKER_FORGET_AFTER_S.*ROLLGATE_WORKER_LEASE_S"
+    ):
+        RouterSettings.from_env(
+            {"ROLLGATE_WORKER_FORGET_AFTER_S": "5", "ROLLGATE_WORKER_LEASE_S": "6"}
+        )

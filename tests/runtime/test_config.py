@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.gateway.settings import GatewaySettings
+from services.router.settings import RouterSettings
 from services.runtime.config import ConfigError, load_config, normalize_base_url, settings_env
 from services.worker.settings import WorkerSettings
 
@@ -224,6 +225,8 @@ def test_the_example_file_in_the_repository_loads() -> None:
         WorkerSettings.from_env(
             {**settings_env(config, "worker", upstream=upstream.name), **environ}
         )
+    router = RouterSettings.from_env(settings_env(config, "router"))
+    assert (router.lease_s, router.heartbeat_interval_s, router.forget_after_s) == (6, 1, 60)
 
 
 def test_a_rollgate_file_with_a_rollout_section_stays_a_rollgate_file() -> None:
