@@ -111,10 +111,17 @@ def global_values(overview: Overview) -> Refresh:
                 "Sampled output tokens in published trajectories.",
                 c.output_tokens,
             ),
+            # Rewards can be negative and a counter never decreases: their sum is
+            # positive - negative (docs/metrics.md).
             counter(
-                "rollgate_final_reward_sum",
-                "Sum of the final rewards of published trajectories.",
-                c.reward_sum,
+                "rollgate_final_reward_positive",
+                "Sum of the positive final rewards of published trajectories.",
+                c.reward_positive,
+            ),
+            counter(
+                "rollgate_final_reward_negative",
+                "Sum of the magnitudes of the negative final rewards of published trajectories.",
+                c.reward_negative,
             ),
             gauge(
                 "rollgate_prefix_join_ratio",

@@ -70,6 +70,9 @@ class Counters:
     exact_interactions: int
     length_mismatches: int
     reward_sum: float
+    # The sum of the positive final rewards, and of the negative ones' magnitudes.
+    reward_positive: float
+    reward_negative: float
     errors: int
     weight_version: int
     in_flight: int
@@ -169,6 +172,8 @@ class Overview:
             exact_interactions=int(fields.get("exact_interactions", 0)),
             length_mismatches=int(fields.get("length_mismatches", 0)),
             reward_sum=fields.get("reward_micros", 0) / 1_000_000,
+            reward_positive=fields.get("reward_positive_micros", 0) / 1_000_000,
+            reward_negative=fields.get("reward_negative_micros", 0) / 1_000_000,
             errors=int(fields.get("errors", 0)),
             weight_version=weight_version,
             in_flight=int(running),

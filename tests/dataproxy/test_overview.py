@@ -140,6 +140,17 @@ async def test_stream_ids_count_publications_and_backlogs_are_exact(chain: Chain
     assert families["rollgate_trajectories_published"].samples[0].value == 5.0
     assert families["rollgate_trajectories_acked"].samples[0].value == 1.0
     assert families["rollgate_interactions_published"].samples[0].value == 7.0
+    # Rewards can be negative and a counter never decreases: the positive final rewards and
+    # the negative ones' magnitudes are two counters (their difference is the sum).
+    positive = families["rollgate_final_reward_positive"]
+    negative = families["rollgate_final_reward_negative"]
+    assert positive.type == negative.type == "counter"
+    assert positive.samples[0].value == pytest.approx(3.5)
+    assert negative.samples[0].value == pytest.approx(0.25)
+    assert "rollgate_final_reward_sum" not in families
+    for family in families.values():
+        if family.type == "counter":
+            assert all(sample.value >= 0 for sample in family.samples), family.name
     # Every trajectory is listed newest first with its summary.
     recent = await chain.overview.recent(limit=10)
     assert [stream_id for stream_id, _ in recent] == ids[::-1]

@@ -27,6 +27,8 @@ from tests.harness.processes import log_level_env, stack_config
 
 ROLLGATE = str(Path(sys.executable).parent / "rollgate")
 SESSIONS = 4
+# Final rewards, negative ones too (a counter of their sum would go down).
+REWARDS = (-1.0, -0.5, 0.0, 0.5)
 GROUP = "trainer-a"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -84,7 +86,8 @@ def run_workload(stack: Stack) -> dict[str, Any]:
             )
             assert status == 200, raw
             streamed, unary = streamed + stream, unary + (not stream)
-        assert request(stack, "POST", "/rl/set_reward", {"reward": i / 2}, key)[0] == 200
+        reward = REWARDS[i]
+        assert request(stack, "POST", "/rl/set_reward", {"reward": reward}, key)[0] == 200
         assert request(stack, "POST", "/rl/end_session", {}, key)[0] == 200
     bad = "sk-sess-" + "x" * 43
     for _ in range(2):
@@ -167,7 +170,9 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
     assert value(g, "rollgate_weight_version") == 2
     assert value(g, "rollgate_submission_paused") == 0
     assert value(g, "rollgate_turns_in_flight") == 0
-    assert value(g, "rollgate_final_reward_sum_total") == sum(i / 2 for i in range(SESSIONS))
+    assert value(g, "rollgate_final_reward_positive_total") == 0.5
+    assert value(g, "rollgate_final_reward_negative_total") == 1.5
+    assert "rollgate_final_reward_sum_total" not in g
     assert (
         value(
             g, "rollgate_dataproxy_episodes_ended_total", status="published", reason="end_session"

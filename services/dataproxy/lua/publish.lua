@@ -121,9 +121,15 @@ else
     redis.call('HINCRBY', KEYS[7], 'output_tokens', summary['output_tokens'])
     redis.call('HINCRBY', KEYS[7], 'exact_interactions', summary['exact_interactions'])
     redis.call('HINCRBY', KEYS[7], 'length_mismatches', summary['length_mismatches'])
-    -- Integers only in the stats hash: rewards are summed in millionths.
-    redis.call('HINCRBY', KEYS[7], 'reward_micros',
-      string.format('%d', math.floor(summary['final_reward'] * 1000000 + 0.5)))
+    -- Integers only in the stats hash: rewards are summed in millionths; the positive ones
+    -- and the negative ones' magnitudes apart too, as counters that never decrease.
+    local reward_micros = math.floor(summary['final_reward'] * 1000000 + 0.5)
+    redis.call('HINCRBY', KEYS[7], 'reward_micros', string.format('%d', reward_micros))
+    if reward_micros > 0 then
+      redis.call('HINCRBY', KEYS[7], 'reward_positive_micros', string.format('%d', reward_micros))
+    elseif reward_micros < 0 then
+      redis.call('HINCRBY', KEYS[7], 'reward_negative_micros', string.format('%d', -reward_micros))
+    end
     redis.call('LPUSH', KEYS[14], stream_id .. ' ' .. ARGV[17])
     redis.call('LTRIM', KEYS[14], 0, tonumber(ARGV[18]) - 1)
   end
