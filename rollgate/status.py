@@ -145,7 +145,7 @@ def render(data: dict[str, Any], url: str) -> str:
     lines.append("workers")
     if workers:
         lines += _table(
-            ["worker", "state", "in flight", "sessions", "heartbeat", "models"],
+            ["worker", "state", "in flight", "affinities", "heartbeat", "models"],
             [
                 [w["worker_id"], "live" if w["live"] else "stale", w["in_flight"],
                  w["sessions"], _age(w["last_heartbeat_age_s"]) + " ago",

@@ -29,8 +29,9 @@ def registry_values(registry: Registry) -> Refresh:
                 {k: 1.0 if w.live else 0.0 for k, w in by_worker.items()},
             ),
             labelled_gauge(
-                "rollgate_worker_sessions",
-                "Sessions whose affinity names the worker (placement's tie-break).",
+                "rollgate_worker_session_affinities",
+                "Session affinities naming the worker: sessions placed on it and used within "
+                "the affinity TTL (24 h), not sessions running now.",
                 "worker",
                 {k: w.sessions for k, w in by_worker.items()},
             ),

@@ -263,6 +263,12 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
         "worker-1",
         "worker-2",
     }
+    # Each session's affinity names one worker: the affinities per worker add up to the sessions
+    # (one model) and the unknown key's (a turn is routed before its admission); the name says
+    # what is counted, not sessions running now (none are).
+    assert value(router, "rollgate_worker_session_affinities") == SESSIONS + 1
+    assert value(g, "rollgate_episodes_open") == 0
+    assert "rollgate_worker_sessions" not in router
 
     # Build info on each, and no key anywhere.
     for name, page in pages.items():

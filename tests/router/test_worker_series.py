@@ -33,7 +33,7 @@ FORGET_AFTER_S = 1.5
 # The router's series labelled by worker id.
 PER_WORKER = (
     "rollgate_worker_live",
-    "rollgate_worker_sessions",
+    "rollgate_worker_session_affinities",
     "rollgate_worker_reported_turns_in_flight",
     "rollgate_worker_heartbeat_age_seconds",
 )
