@@ -152,9 +152,8 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 batch_size=settings.batch_size,
             ),
         )
-        lease = ExporterLease(redis, key=keys.metrics_exporter)
+        lease = await stack.enter_async_context(ExporterLease(redis, key=keys.metrics_exporter))
         metrics.export_globals(lease, global_values(overview))
-        stack.push_async_callback(lease.release)
         errors = await stack.enter_async_context(ErrorLog(redis=redis, keys=keys))
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
         tracer = await stack.enter_async_context(tracer_for("dataproxy", settings.tracing))

@@ -48,9 +48,8 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
             forget_after_s=settings.forget_after_s,
         )
         metrics = ServiceMetrics("router")
-        lease = ExporterLease(redis, key=keys.metrics_exporter)
+        lease = await stack.enter_async_context(ExporterLease(redis, key=keys.metrics_exporter))
         metrics.export_globals(lease, registry_values(registry))
-        stack.push_async_callback(lease.release)
         await stack.enter_async_context(MetricsServer(metrics, settings.metrics))
         tracer = await stack.enter_async_context(tracer_for("router", settings.tracing))
         server = GrpcServer(

@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from services.runtime.errors import RollgateError
 from services.runtime.logs import get_logger
 from services.runtime.settings import env_str
+from services.runtime.tasks import cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer, incoming
 
 log = get_logger(__name__)
@@ -51,9 +52,10 @@ DEFAULT_METRICS_PORTS = {"gateway": 9080, "router": 9051, "dataproxy": 9052, "wo
 GLOBAL_READ_TIMEOUT_S = 2.0
 # Several Prometheus servers (or a person with curl) scraping at once read Redis once.
 GLOBAL_CACHE_S = 1.0
-# The exporter lease outlives a few scrape intervals; a dead exporter is replaced by the
-# next replica scraped after it expires.
+# The exporter lease, renewed by its holder's background task three times per lease
+# (scrapes play no part): a dead exporter is replaced within a lease and a renewal interval.
 EXPORTER_LEASE_S = 30.0
+LEASE_RENEWALS_PER_TTL = 3
 
 # Latency buckets (seconds) shared by every duration histogram: sub-millisecond hops up to
 # ten-minute generations.
@@ -156,7 +158,8 @@ class ServiceMetrics:
         return self._rpc
 
     def export_globals(self, lease: ExporterLease, refresh: Refresh) -> None:
-        """Before each scrape, `refresh` reads the global values if `lease` is held."""
+        """Before each scrape, `refresh` reads the global values while `lease` is held (the
+        lease must be running: `async with lease`)."""
         self._lease = lease
         self._refresh = refresh
 
@@ -171,9 +174,11 @@ class ServiceMetrics:
         async with self._lock:
             if time.monotonic() - self._refreshed_at < GLOBAL_CACHE_S:
                 return
+            # Held as of the last renewal, which its background task makes: a replica that is
+            # not scraped for a while keeps the lease, and one scraped often takes nothing.
+            held = self._lease.held
             try:
                 async with asyncio.timeout(GLOBAL_READ_TIMEOUT_S):
-                    held = await self._lease.held()
                     self._globals.families = await self._refresh() if held else []
             except (TimeoutError, OSError, aioredis.RedisError, RollgateError) as err:
                 # No value beats a stale one: a wrong backlog would be believed.
@@ -207,24 +212,70 @@ return 0
 
 
 class ExporterLease:
-    """Which replica of a service exports the global values: whoever holds this Redis key."""
+    """`async with`: which replica of a service exports the global values — whoever holds
+    this Redis key. A background task takes the lease when it is free and renews it while it
+    is this replica's, every third of its TTL; leaving gives it up."""
 
     def __init__(self, redis: aioredis.Redis, *, key: str, ttl_s: float = EXPORTER_LEASE_S):
         self._redis = redis
         self._key = key
+        self._ttl_s = ttl_s
         self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._renew_every_s = ttl_s / LEASE_RENEWALS_PER_TTL
         self._me = secrets.token_hex(8)
         self._script = redis.register_script(_LEASE_LUA)
         self._release = redis.register_script(_RELEASE_LUA)
+        # Monotonic time until which the lease is surely ours: a claim's start plus the TTL
+        # (the key, set after that start, expires later), so this replica stops exporting
+        # before another one can take the lease over.
+        self._held_until = 0.0
+        self._failing = False
+        self._task: asyncio.Task[None] | None = None
 
-    async def held(self) -> bool:
-        """Takes the lease if free, renews it if ours; True while this replica holds it."""
-        return bool(int(await self._script(keys=[self._key], args=[self._me, self._ttl_ms])))
+    @property
+    def held(self) -> bool:
+        """True while this replica surely holds the lease (as of its last renewal)."""
+        return time.monotonic() < self._held_until
+
+    async def __aenter__(self) -> ExporterLease:
+        # The first claim before serving, so the first scrape already knows who exports.
+        await self._claim()
+        self._task = asyncio.create_task(self._renew(), name=f"exporter-lease:{self._key}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+        await self.release()
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self._renew_every_s)
+            await self._claim()
+
+    async def _claim(self) -> None:
+        """Takes the lease if free, renews it if ours. A failed round trip changes nothing:
+        the lease, if ours, lapses on its own at `_held_until`."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(min(GLOBAL_READ_TIMEOUT_S, self._renew_every_s)):
+                ours = await self._script(keys=[self._key], args=[self._me, self._ttl_ms])
+        except (TimeoutError, OSError, aioredis.RedisError) as err:
+            if not self._failing:
+                log.warning(
+                    "metrics_exporter_lease_failed", key=self._key, error=type(err).__name__
+                )
+            self._failing = True
+            return
+        self._failing = False
+        self._held_until = started + self._ttl_s if int(ours) else 0.0
 
     async def release(self) -> None:
-        """Gives the lease up at shutdown (only if still ours), so another replica takes over
-        at its next scrape instead of after the lease expires. Never raises: it runs at
-        shutdown, when Redis may already be gone."""
+        """Gives the lease up (only if still ours), so another replica takes over at its next
+        renewal instead of after the lease expires. Never raises: it runs at shutdown, when
+        Redis may already be gone."""
+        self._held_until = 0.0
         with contextlib.suppress(TimeoutError, OSError, aioredis.RedisError):
             async with asyncio.timeout(GLOBAL_READ_TIMEOUT_S):
                 await self._release(keys=[self._key], args=[self._me])
