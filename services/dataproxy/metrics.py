@@ -193,7 +193,7 @@ def global_values(overview: Overview) -> Refresh:
         if c.paused:
             families.append(
                 gauge(
-                    "rollgate_submission_paused_since_seconds",
+                    "rollgate_submission_paused_since_timestamp_seconds",
                     "Unix time the current pause began (only while paused).",
                     c.paused_since,
                 )

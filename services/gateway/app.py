@@ -89,7 +89,10 @@ class GatewayServer:
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
         )
-        self.runner = GatewayRunner(build_app(settings, self.metrics), limits=limits)
+        app = build_app(settings, self.metrics)
+        self.runner = GatewayRunner(
+            app, limits=limits, on_refused=app[health.METRICS].refused_at_edge
+        )
         self.metrics_server = MetricsServer(self.metrics, settings.metrics)
         self.port = 0
 

@@ -269,9 +269,17 @@ def _has_undecodable_bytes(value: str) -> bool:
 
 
 _AppHandler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+# Counts a request answered here, before routing: (method or UNPARSED_METHOD, status).
+RefusalHook = Callable[[str, int], None]
+# The method label of a request whose request line never parsed.
+UNPARSED_METHOD = "unparsed"
 
 
-def edge_handler(app_handler: _AppHandler) -> _AppHandler:
+def _not_counted(method: str, status: int) -> None:
+    """The refusal hook of an edge without metrics."""
+
+
+def edge_handler(app_handler: _AppHandler, on_refused: RefusalHook = _not_counted) -> _AppHandler:
     """Wraps the application: head checks first, and aiohttp's own HTTP exceptions as JSON."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
@@ -284,11 +292,13 @@ def edge_handler(app_handler: _AppHandler) -> _AppHandler:
             return await app_handler(request)
         except RollgateError as err:
             log.info("request_refused", path=request.path, status=err.http_status, code=err.code)
+            on_refused(request.method, err.http_status)
             return route_shaped(request, error_response(err))
         except web.HTTPException as exc:
             # Raised before the middlewares (an unknown Expect): same shape as theirs.
             if exc.status < 400:
                 raise
+            on_refused(request.method, exc.status)
             if exc.status == 417:
                 expect = ExpectationFailed(
                     "the only Expect value served is 100-continue; drop the header or "
@@ -313,7 +323,14 @@ def route_shaped(request: web.BaseRequest, response: web.Response) -> web.Respon
 class GatewayRequestHandler(web_protocol.RequestHandler):
     """aiohttp's connection handler with JSON parser errors and a request-head deadline."""
 
-    def __init__(self, manager: web.Server, *, limits: EdgeLimits, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        limits: EdgeLimits,
+        on_refused: RefusalHook = _not_counted,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(
             manager,
             keepalive_timeout=limits.keepalive_timeout_s,
@@ -323,6 +340,7 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
             **kwargs,
         )
         self._limits = limits
+        self._on_refused = on_refused
         # True while the connection waits for the head of its next request.
         self._awaiting_head = True
         self._head_timer: asyncio.TimerHandle | None = None
@@ -401,6 +419,7 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
             "(ROLLGATE_HEADER_TIMEOUT_S); send the request line and headers at once"
         )
         log.info("request_head_timeout", timeout_s=self._limits.header_timeout_s)
+        self._on_refused(UNPARSED_METHOD, error.http_status)
         self._timed_out = True
         transport.write(_raw_error_response(error))
         # Half-close and keep reading a moment, so a client still sending does not get a
@@ -432,6 +451,7 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
                 max_headers=self._limits.max_headers,
             )
             log.info("request_unparseable", status=error.http_status, code=error.code)
+            self._on_refused(UNPARSED_METHOD, error.http_status)
         response = route_shaped(request, error_response(error))
         if isinstance(error, MethodNotAllowed):
             response.headers["Allow"] = _METHODS_SERVED
@@ -457,9 +477,17 @@ def _raw_error_response(error: RollgateError) -> bytes:
 class GatewayHttpServer(web.Server):
     """aiohttp's low-level server, making GatewayRequestHandler connections."""
 
-    def __init__(self, handler: _AppHandler, *, limits: EdgeLimits, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        handler: _AppHandler,
+        *,
+        limits: EdgeLimits,
+        on_refused: RefusalHook = _not_counted,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(handler, **kwargs)
         self._limits = limits
+        self._on_refused = on_refused
         # What RequestHandler takes (Server keeps the rest itself).
         self._handler_kwargs = {
             k: v
@@ -469,24 +497,32 @@ class GatewayHttpServer(web.Server):
 
     def __call__(self) -> GatewayRequestHandler:
         return GatewayRequestHandler(
-            self, loop=asyncio.get_running_loop(), limits=self._limits, **self._handler_kwargs
+            self,
+            loop=asyncio.get_running_loop(),
+            limits=self._limits,
+            on_refused=self._on_refused,
+            **self._handler_kwargs,
         )
 
 
 class GatewayRunner(web.AppRunner):
     """AppRunner serving through GatewayHttpServer (the app's startup and cleanup unchanged)."""
 
-    def __init__(self, app: web.Application, *, limits: EdgeLimits) -> None:
+    def __init__(
+        self, app: web.Application, *, limits: EdgeLimits, on_refused: RefusalHook = _not_counted
+    ) -> None:
         super().__init__(app, access_log=None)
         self._limits = limits
+        self._on_refused = on_refused
 
     async def _make_server(self) -> web.Server:
         # The app's own server runs its startup and freezes it; ours takes its handler and
         # request factory (public attributes) and adds the edge around them.
         base = await super()._make_server()
         return GatewayHttpServer(
-            edge_handler(base.request_handler),
+            edge_handler(base.request_handler, self._on_refused),
             limits=self._limits,
+            on_refused=self._on_refused,
             request_factory=base.request_factory,
             # A client that disconnects cancels its handler, and so its RPC.
             handler_cancellation=True,

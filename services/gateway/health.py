@@ -25,6 +25,8 @@ log = get_logger(__name__)
 
 # The status recorded for a request whose client went away before it finished.
 CLIENT_CLOSED_STATUS = 499
+# The route label of requests the HTTP edge refused before routing (services/gateway/edge.py).
+EDGE_ROUTE = "edge"
 
 
 class Metrics:
@@ -51,6 +53,11 @@ class Metrics:
         labels = {"route": route, "method": method, "status": str(status)}
         self.requests.labels(**labels).inc()
         self.latency.labels(**labels).observe(duration_s)
+
+    def refused_at_edge(self, method: str, status: int) -> None:
+        """Counts a request the HTTP edge answered before routing (route `edge`; method
+        `unparsed` when the request line never parsed). Not timed: nothing was handled."""
+        self.requests.labels(route=EDGE_ROUTE, method=method, status=str(status)).inc()
 
 
 METRICS = web.AppKey("metrics", Metrics)

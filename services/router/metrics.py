@@ -43,9 +43,13 @@ def registry_values(registry: Registry) -> Refresh:
             ),
             labelled_gauge(
                 "rollgate_worker_heartbeat_age_seconds",
-                "Seconds since the worker's last heartbeat (-1: never).",
+                "Seconds since the worker's last heartbeat (no sample while none is recorded).",
                 "worker",
-                {k: w.last_heartbeat_age_s for k, w in by_worker.items()},
+                {
+                    k: w.last_heartbeat_age_s
+                    for k, w in by_worker.items()
+                    if w.last_heartbeat_age_s >= 0
+                },
             ),
         ]
 

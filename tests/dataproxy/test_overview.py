@@ -176,11 +176,18 @@ async def test_paused_capacity_and_weight_version_are_read_back(chain: Chain) ->
     counters = await chain.overview.counters()
     assert counters.weight_version == 3
     assert counters.paused and before - 1 <= counters.paused_since <= time.time()
+    # A unix time is a `_timestamp_seconds` gauge (Prometheus' naming), only while paused.
+    families = {f.name: f for f in await global_values(chain.overview)()}
+    since = families["rollgate_submission_paused_since_timestamp_seconds"]
+    assert since.type == "gauge" and since.samples[0].value == counters.paused_since
+    assert "rollgate_submission_paused_since_seconds" not in families
     assert counters.capacity_granted == 4 and counters.capacity_left == 4
     await chain.trainer.ResumeSubmission(
         trainer_pb2.ResumeSubmissionRequest(), metadata=AUTH, timeout=5
     )
     assert not (await chain.overview.counters()).paused
+    families = {f.name: f for f in await global_values(chain.overview)()}
+    assert "rollgate_submission_paused_since_timestamp_seconds" not in families
 
 
 async def test_running_sessions_are_listed_with_their_turns_without_keys(chain: Chain) -> None:

@@ -74,3 +74,14 @@ def test_the_dashboard_covers_the_questions_of_the_issue() -> None:
         "rollgate_submission_paused",
     ):
         assert metric in text, metric
+
+
+def test_every_query_selects_the_job_variable_so_deployments_are_not_mixed() -> None:
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["job"]["query"] == "label_values(rollgate_build_info, job)"
+    assert variables["job"]["includeAll"] and variables["job"]["multi"]
+    for expr in queries():
+        # Each metric selector, with its matchers if any.
+        for name, matchers in re.findall(r"\b((?:rollgate|process)_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            assert 'job=~"$job"' in matchers, (name, expr)
+        assert 'job="' not in expr and "job!" not in expr, expr  # no job named in a query

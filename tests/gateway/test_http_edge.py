@@ -186,6 +186,41 @@ async def test_every_refused_request_gets_the_json_error_shape(
         assert headers["allow"] == "GET, POST"
 
 
+def edge_refusals(server: GatewayServer) -> dict[tuple[str, str], float]:
+    """requests_total of the requests refused before routing, by (method, status)."""
+    counted: dict[tuple[str, str], float] = {}
+    for family in server.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "rollgate_gateway_requests_total" and (
+                sample.labels["route"] == "edge"
+            ):
+                counted[(sample.labels["method"], sample.labels["status"])] = sample.value
+    return counted
+
+
+async def test_every_refusal_before_routing_is_counted_by_status(
+    gateway_without_backends: Gateway,
+) -> None:
+    server = gateway_without_backends.server
+    want: dict[str, float] = {}
+    for case in sorted(PARSER_CASES):
+        raw, status, _ = PARSER_CASES[case]
+        got, _, _ = parse(await exchange(server.port, raw))
+        assert got == status, case
+        want[str(status)] = want.get(str(status), 0) + 1
+    counted = edge_refusals(server)
+    by_status: dict[str, float] = {}
+    for (_, status), n in counted.items():
+        by_status[status] = by_status.get(status, 0) + n
+    assert by_status == want
+    # The method is a label only when the request line parsed (bounded: llhttp's methods).
+    assert {method for method, _ in counted} <= {"GET", "POST", "unparsed"}
+    assert counted[("unparsed", "405")] == 2  # lowercase and unknown methods
+    # The head checks (non-ASCII keys and ids, Content-Encoding, the version) know the method.
+    assert counted[("POST", "400")] == 2 and counted[("GET", "400")] == 1
+    assert counted[("POST", "415")] == 1 and counted[("POST", "417")] == 1
+
+
 async def test_every_route_refuses_non_ascii_keys_and_ids_with_400(
     gateway_without_backends: Gateway,
 ) -> None:
@@ -316,6 +351,7 @@ async def test_a_request_head_that_stalls_is_answered_408(edge_gateway: GatewayS
     status, headers, body = parse(answer)
     assert status == 408
     assert "ROLLGATE_HEADER_TIMEOUT_S" in assert_error_shape(headers, body, "request_timeout")
+    assert edge_refusals(edge_gateway) == {("unparsed", "408"): 1}
 
 
 async def test_a_head_sent_a_byte_at_a_time_is_cut_off(edge_gateway: GatewayServer) -> None:

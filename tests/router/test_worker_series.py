@@ -20,6 +20,8 @@ from protos import router_pb2, router_pb2_grpc
 from rollgate.mock_llm import MockLLM
 from rollgate.redis_server import free_port
 from services.router.__main__ import serving
+from services.router.metrics import registry_values
+from services.router.registry import Registry, RouterKeys
 from services.router.settings import RouterSettings
 from services.runtime.grpc_client import open_channel
 from services.runtime.metrics import MetricsEndpoint
@@ -159,3 +161,27 @@ async def test_a_killed_worker_and_a_deregistered_one_leave_the_per_worker_serie
             router_pb2.HeartbeatRequest(worker_id="w-killed"), timeout=RPC_TIMEOUT_S
         )
         assert not known.known
+
+
+async def test_a_worker_without_a_recorded_heartbeat_has_no_heartbeat_age_sample(
+    redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    keys = RouterKeys(key_prefix)
+    registry = Registry(
+        redis_client, keys=keys, lease_s=6.0, affinity_ttl_s=60.0, forget_after_s=60.0
+    )
+    for worker_id in ("w1", "w2"):
+        await registry.register(
+            worker_id=worker_id, address=f"{worker_id}:1", models=["m"], timeout_s=5
+        )
+    # w2's heartbeat record is gone (a partial flush, a hand edit): its age is unknown.
+    await redis_client.zrem(keys.heartbeats, "w2")
+    families = {f.name: f for f in await registry_values(registry)()}
+    ages = {
+        s.labels["worker"]: s.value
+        for s in families["rollgate_worker_heartbeat_age_seconds"].samples
+    }
+    assert list(ages) == ["w1"] and 0 <= ages["w1"] < 5
+    live = {s.labels["worker"]: s.value for s in families["rollgate_worker_live"].samples}
+    assert live == {"w1": 1.0, "w2": 0.0}
+    assert all(s.value >= 0 for f in families.values() for s in f.samples)
