@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from services.gateway.console_auth import (
 from services.gateway.console_view import overview_json, summary_json, trajectory_json
 from services.gateway.http_errors import json_response
 from services.gateway.key_admin import KEYS
+from services.gateway.login_limit import LoginLimiter
 from services.gateway.settings import GatewaySettings
 from services.runtime.errors import InvalidRequest, Unauthenticated, from_rpc_error
 from services.runtime.keys import access_key_kind, key_digest
@@ -80,6 +82,7 @@ ISSUED_KEY_CACHE_MAX = 1024
 
 COOKIES = web.AppKey("console_cookies", ConsoleCookies)
 LOGINS = web.AppKey("console_logins", Counter)
+LOGIN_LIMITER = web.AppKey("console_login_limiter", LoginLimiter)
 
 
 class IssuedKeyCheck:
@@ -112,9 +115,11 @@ def mount(app: web.Application, settings: GatewaySettings) -> None:
         max_login_s=settings.console_max_login_s,
     )
     app[ISSUED] = IssuedKeyCheck()
+    app[LOGIN_LIMITER] = LoginLimiter(failures_per_min=settings.console_login_failures_per_min)
     app[LOGINS] = Counter(
         "rollgate_gateway_console_logins",
-        "Console login attempts by result (ok, refused).",
+        "Console login attempts by result (ok, refused, limited: too many refused from the "
+        "client's address).",
         ["result"],
         registry=app[health.METRICS].registry,
     )
@@ -204,6 +209,11 @@ async def login_page(request: web.Request) -> web.Response:
 
 async def login(request: web.Request) -> web.StreamResponse:
     """POST /console/login (form field `admin_key`): a session cookie, then the live page."""
+    # Before the key is even read: an address whose refused logins are spent waits.
+    address = request.remote or ""
+    retry_after_s = request.app[LOGIN_LIMITER].retry_after_s(address)
+    if retry_after_s is not None:
+        return _login_limited(request, retry_after_s)
     await _bearer_admin(request)
     if request.query:
         return _page("login.html", status=400, error=NO_KEY_IN_URLS)
@@ -213,6 +223,7 @@ async def login(request: web.Request) -> web.StreamResponse:
     presented = form.get(LOGIN_FIELD)
     subject = await _login_subject(request, presented if isinstance(presented, str) else "")
     if subject is None:
+        request.app[LOGIN_LIMITER].refused(address)
         request.app[LOGINS].labels(result="refused").inc()
         log.warning("console_login_refused", remote=request.remote)
         return _page("login.html", status=401, error="That is not an admin key.")
@@ -220,6 +231,24 @@ async def login(request: web.Request) -> web.StreamResponse:
     log.info("console_login", remote=request.remote)
     response = _redirect("/console")
     _set_cookie(request, response, request.app[COOKIES].issue(subject))
+    return response
+
+
+def _login_limited(request: web.Request, retry_after_s: float) -> web.Response:
+    """429: the login page again, saying how long to wait (and Retry-After)."""
+    wait_s = max(1, math.ceil(retry_after_s))
+    request.app[LOGINS].labels(result="limited").inc()
+    log.warning("console_login_limited", remote=request.remote, retry_after_s=wait_s)
+    limit = request.app[SETTINGS].console_login_failures_per_min
+    response = _page(
+        "login.html",
+        status=429,
+        error=(
+            f"Too many refused logins from your address ({limit} a minute); "
+            f"try again in {wait_s} s."
+        ),
+    )
+    response.headers["Retry-After"] = str(wait_s)
     return response
 
 

@@ -50,6 +50,8 @@ class GatewaySettings:
     # page is open), and the longest a login lasts however often it is renewed.
     console_session_s: float = 900.0
     console_max_login_s: float = 12 * 3600.0
+    # Refused console logins a client address may make per minute (then 429 until they refill).
+    console_login_failures_per_min: int = 10
     # Where GET /metrics is served (port None: nowhere), never the public port; docs/metrics.md.
     metrics: MetricsEndpoint = NO_METRICS_PORT
     # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
@@ -103,6 +105,9 @@ class GatewaySettings:
             tracing=tracing_settings(environ),
             console_session_s=_positive(environ, "ROLLGATE_CONSOLE_SESSION_S", 900.0),
             console_max_login_s=_positive(environ, "ROLLGATE_CONSOLE_MAX_LOGIN_S", 12 * 3600.0),
+            console_login_failures_per_min=_at_least_one(
+                environ, "ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN", 10
+            ),
             port=port if port is not None else 8080,
             router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
             dataproxy_addr=env_str(environ, "ROLLGATE_DATAPROXY_ADDR", "127.0.0.1:50052"),
@@ -140,6 +145,13 @@ def _positive(environ: Mapping[str, str], name: str, default: float) -> float:
     value = env_float(environ, name, default)
     if value <= 0:
         raise ValueError(f"{name}={value} must be positive")
+    return value
+
+
+def _at_least_one(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = env_int(environ, name, default)
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")
     return value
 
 

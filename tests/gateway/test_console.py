@@ -5,6 +5,7 @@ forged or its key revoked; never a key in a URL, a page, a cookie or an answer."
 from __future__ import annotations
 
 import base64
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -259,3 +260,47 @@ async def _session_key(console: Console, *, chat: bool = False) -> str:
         )
         assert status == 200
     return key
+
+
+async def _login_from(url: str, address: str, key: str) -> tuple[int, Any, str]:
+    """POST /console/login from a given loopback address (127.0.0.x)."""
+    connector = aiohttp.TCPConnector(local_addr=(address, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar()) as http,
+        http.post(url + "/console/login", data={"admin_key": key}, allow_redirects=False) as resp,
+    ):
+        return resp.status, resp.headers, await resp.text()
+
+
+async def test_refused_logins_are_limited_per_client_address_with_a_429_login_page(
+    dead_address: str,
+) -> None:
+    settings = dataclasses.replace(
+        gateway_settings(router_addr=dead_address, dataproxy_addr=dead_address),
+        console_login_failures_per_min=3,
+    )
+    async with GatewayServer(settings) as gateway:
+        url = f"http://127.0.0.1:{gateway.port}"
+        for _ in range(3):
+            status, _, _ = await _login_from(url, "127.0.0.1", "not-the-key")
+            assert status == 401
+        # The budget of this address is spent: even the right key waits, told how long.
+        for key in ("not-the-key", ADMIN_KEY):
+            status, headers, body = await _login_from(url, "127.0.0.1", key)
+            assert status == 429, body
+            assert headers["Content-Type"].startswith("text/html")
+            assert 'type="password"' in body  # the login page again, with the reason
+            assert "Too many refused logins from your address" in body
+            assert 1 <= int(headers["Retry-After"]) <= 20
+            assert "Set-Cookie" not in headers and ADMIN_KEY not in body
+            assert headers["X-Frame-Options"] == "DENY"
+        # Another address is not held back.
+        status, headers, _ = await _login_from(url, "127.0.0.2", ADMIN_KEY)
+        assert status == 303 and COOKIE_NAME in headers["Set-Cookie"]
+        logins = {
+            sample.labels["result"]: sample.value
+            for family in gateway.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == "rollgate_gateway_console_logins_total"
+        }
+        assert logins == {"refused": 3.0, "limited": 2.0, "ok": 1.0}

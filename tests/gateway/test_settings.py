@@ -41,3 +41,12 @@ def test_settings_defaults_match_the_contract() -> None:
 def test_settings_refuse_a_non_numeric_body_limit() -> None:
     with pytest.raises(ValueError, match="ROLLGATE_MAX_BODY_BYTES"):
         GatewaySettings.from_env({"ROLLGATE_ADMIN_KEY": "a", "ROLLGATE_MAX_BODY_BYTES": "big"})
+
+
+def test_refused_console_logins_per_address_default_to_ten_a_minute_and_must_be_positive() -> None:
+    base = {"ROLLGATE_ADMIN_KEY": "k"}
+    assert GatewaySettings.from_env(base).console_login_failures_per_min == 10
+    five = {**base, "ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN": "5"}
+    assert GatewaySettings.from_env(five).console_login_failures_per_min == 5
+    with pytest.raises(ValueError, match="ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN=0"):
+        GatewaySettings.from_env({**base, "ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN": "0"})
