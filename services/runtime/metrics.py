@@ -117,6 +117,22 @@ class GlobalValues(Collector):
 Refresh = Callable[[], Awaitable[list[Metric]]]
 
 
+class _Exporting:
+    """Whether this replica exports the global values, and failed reads of them."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.exporter = Gauge(
+            "rollgate_metrics_global_exporter",
+            "1 on the one replica that exports the global values read from Redis, else 0.",
+            registry=registry,
+        )
+        self.read_errors = Counter(
+            "rollgate_metrics_global_read_errors",
+            "Scrapes whose global values could not be read from Redis in time.",
+            registry=registry,
+        )
+
+
 class ServiceMetrics:
     """One process's registry: process and build info, RPC metrics, and global values."""
 
@@ -132,18 +148,9 @@ class ServiceMetrics:
             registry=self.registry,
         )
         build.labels(service=service, version=VERSION).set(1)
-        self.global_exporter = Gauge(
-            "rollgate_metrics_global_exporter",
-            "1 on the one replica that exports the global values read from Redis, else 0.",
-            registry=self.registry,
-        )
-        self.global_read_errors = Counter(
-            "rollgate_metrics_global_read_errors",
-            "Scrapes whose global values could not be read from Redis in time.",
-            registry=self.registry,
-        )
         self._globals = GlobalValues()
         self.registry.register(self._globals)
+        self._exporting: _Exporting | None = None
         self._refresh: Refresh | None = None
         self._lease: ExporterLease | None = None
         self._refreshed_at = 0.0
@@ -159,7 +166,10 @@ class ServiceMetrics:
 
     def export_globals(self, lease: ExporterLease, refresh: Refresh) -> None:
         """Before each scrape, `refresh` reads the global values while `lease` is held (the
-        lease must be running: `async with lease`)."""
+        lease must be running: `async with lease`). Only the services that read global
+        values (router, dataproxy) serve the exporter's own two metrics."""
+        if self._exporting is None:
+            self._exporting = _Exporting(self.registry)
         self._lease = lease
         self._refresh = refresh
 
@@ -169,8 +179,9 @@ class ServiceMetrics:
         return bytes(generate_latest(self.registry))
 
     async def _refresh_globals(self) -> None:
-        if self._refresh is None or self._lease is None:
+        if self._refresh is None or self._lease is None or self._exporting is None:
             return
+        exporting = self._exporting
         async with self._lock:
             if time.monotonic() - self._refreshed_at < GLOBAL_CACHE_S:
                 return
@@ -182,11 +193,11 @@ class ServiceMetrics:
                     self._globals.families = await self._refresh() if held else []
             except (TimeoutError, OSError, aioredis.RedisError, RollgateError) as err:
                 # No value beats a stale one: a wrong backlog would be believed.
-                self.global_read_errors.inc()
+                exporting.read_errors.inc()
                 self._globals.families = []
                 held = False
                 log.warning("metrics_global_read_failed", error=type(err).__name__)
-            self.global_exporter.set(1 if held else 0)
+            exporting.exporter.set(1 if held else 0)
             self._refreshed_at = time.monotonic()
 
 

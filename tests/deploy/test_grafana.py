@@ -54,7 +54,13 @@ def test_the_dashboard_is_importable_with_a_datasource_variable() -> None:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}"
-            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+            expr = target["expr"]
+            for opening, closing in ("()", "{}", "[]"):
+                assert expr.count(opening) == expr.count(closing), expr
+            assert expr.count('"') % 2 == 0, expr
+            # Every variable a query uses is defined (or one of Grafana's own).
+            for used in re.findall(r"\$(\w+)", expr):
+                assert used in variables or used.startswith("__"), (used, expr)
 
 
 def test_every_metric_the_dashboard_uses_is_documented() -> None:
