@@ -19,14 +19,23 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
 from rollgate.adapter_settings import AdapterSettings, resolve
 from rollgate.episode_rows import EpisodeRow, episode_rows
-from rollgate.episodes import Episode, EpisodeSource, FileSource, LiveOptions, LiveSource, Unit
+from rollgate.episodes import (
+    Episode,
+    EpisodeSource,
+    FileSource,
+    LiveOptions,
+    LiveSource,
+    SharedSources,
+    SourceIdentity,
+    Unit,
+)
 from rollgate.tensors import Style
 from rollgate.trainer_client import PauseResult, TrainerClient, TrainerControl, TrainerStats
 
@@ -190,12 +199,23 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         if self.tensor_backend == "torch" and _torch is None:
             raise ImportError("tensor_backend='torch' needs torch: pip install torch")
         self._source: EpisodeSource | None = None
-        self._client: TrainerClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
-        if check_staleness and self.settings.replay is None:
+        # AReaL makes one object per task: the first opens the source, the others share it.
+        if (
+            check_staleness
+            and self.settings.replay is None
+            and not SOURCES.is_open(self.source_identity)
+        ):
             with TrainerControl(self.settings.trainer_address, self.settings.admin_key) as tc:
                 refuse_own_staleness_bound(tc.stats())
+
+    @property
+    def source_identity(self) -> SourceIdentity:
+        """Which of the process's shared sources this workflow reads."""
+        settings = self.settings
+        if settings.replay is not None:
+            return ("replay", settings.replay)
+        return ("live", settings.trainer_address, settings.group, settings.consumer)
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
         """The next published episode (or episode group) as AReaL's interactions; None when it
@@ -232,13 +252,12 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         return out
 
     async def aclose(self) -> None:
-        """Acks what was taken and closes the connection (AReaL itself never calls it)."""
+        """Lets go of the shared source: the last workflow to let go acks what was taken and
+        closes the connection. AReaL never calls it (its per-task objects keep the source
+        open): at the end of training, `await close_sources()`."""
         if self._source is not None:
-            await self._source.aclose()
             self._source = None
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+            await SOURCES.release(self.source_identity)
 
     def _interaction(self, item: EpisodeRow, episode: Episode) -> Any:
         row = item.row
@@ -289,24 +308,22 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         return array[np.newaxis, :] if per_row else array
 
     async def _ensure_source(self) -> EpisodeSource:
-        loop = asyncio.get_running_loop()
-        if self._loop is not None and self._loop is not loop:
-            raise RuntimeError(
-                "RollgateWorkflow.arun_episode ran on a second event loop; "
-                "use one workflow instance per event loop"
-            )
-        self._loop = loop
+        if self._source is not None:
+            return self._source
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._source is None:
-                self._source = await self._open_source()
+                settings = self.settings
+                how = (settings.episode_group_size, settings.dump)
+                self._source = await SOURCES.acquire(self.source_identity, how, self._open_source)
         return self._source
 
-    async def _open_source(self) -> EpisodeSource:
+    async def _open_source(self) -> tuple[EpisodeSource, Callable[[], Awaitable[None]]]:
         settings = self.settings
         if settings.replay is not None:
-            return FileSource(settings.replay, episode_group_size=settings.episode_group_size)
+            replay = FileSource(settings.replay, episode_group_size=settings.episode_group_size)
+            return replay, replay.aclose
         client = TrainerClient(settings.trainer_address, settings.admin_key)
         await client.__aenter__()
         try:
@@ -325,8 +342,24 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         except BaseException:
             await client.close()
             raise
-        self._client = client
-        return source
+
+        async def close() -> None:
+            try:
+                await source.aclose()
+            finally:
+                await client.close()
+
+        return source, close
+
+
+# The process's sources: AReaL's per-task workflow objects share them (rollgate/episodes.py).
+SOURCES = SharedSources()
+
+
+async def close_sources() -> None:
+    """Closes the sources every RollgateWorkflow of this event loop read (acks what was taken):
+    call it once training ends, on the loop AReaL ran the workflows on."""
+    await SOURCES.close_all()
 
 
 def with_rollgate_section(config_cls: type) -> type:

@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import grpc
 
@@ -425,3 +426,106 @@ class _Dump:
 
     def close(self) -> None:
         self._file.close()
+
+
+# What tells two sources apart: ("live", trainer address, group, consumer) or ("replay", path).
+SourceIdentity = tuple[str, ...]
+Opener = Callable[[], Awaitable[tuple[EpisodeSource, Callable[[], Awaitable[None]]]]]
+
+
+@dataclass(slots=True, kw_only=True)
+class _Shared:
+    loop: asyncio.AbstractEventLoop
+    # How the source reads (grouping, grants, dump): one consumer cannot read two ways.
+    how: tuple[Any, ...]
+    opened: asyncio.Future[EpisodeSource]
+    close: Callable[[], Awaitable[None]] | None = None
+    users: int = 0
+
+
+class SharedSources:
+    """One source per consumer per process, shared by every adapter object that reads it.
+
+    AReaL builds a new workflow object for every task (`RemoteInfEngine._resolve_workflow`
+    instantiates the class from its import path on each submit), so a source owned by the
+    object would be opened once per task: several readers of one consumer name each get the
+    consumer's pending entries (duplicates), hold episodes another object's call waits for
+    (hangs), and a replay file restarts from its first line for every task. Here the first
+    object to need a source opens it, later ones reuse it; `release` closes it when the last
+    object that acquired it lets go, `close_all` closes every one (the end of training).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[SourceIdentity, _Shared] = {}
+        # Objects are built on the caller's thread, used on the event loop's thread.
+        self._lock = threading.Lock()
+
+    def is_open(self, identity: SourceIdentity) -> bool:
+        """Whether a source for `identity` is open (or opening) on a running loop."""
+        with self._lock:
+            entry = self._entries.get(identity)
+            return entry is not None and not entry.loop.is_closed()
+
+    async def acquire(
+        self, identity: SourceIdentity, how: tuple[Any, ...], opener: Opener
+    ) -> EpisodeSource:
+        """The source for `identity`, opened by `opener` on first use; counts one more user."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._entries.get(identity)
+            if entry is not None and entry.loop.is_closed():
+                entry = None  # its loop ended without closing it: nothing left to close
+            if entry is None:
+                entry = _Shared(loop=loop, how=how, opened=loop.create_future())
+                self._entries[identity] = entry
+                opening = True
+            else:
+                opening = False
+        if entry.loop is not loop:
+            raise RuntimeError(
+                f"the episode source {identity[0]} {'/'.join(identity[1:])} is already read on "
+                "another event loop of this process; read each consumer from one loop"
+            )
+        if entry.how != how:
+            raise ValueError(
+                f"consumer {'/'.join(identity[1:])} is already read with other settings "
+                f"({entry.how} here, {how} now); give the second reader its own consumer name"
+            )
+        if opening:
+            try:
+                source, close = await opener()
+            except BaseException as err:
+                with self._lock:
+                    self._entries.pop(identity, None)
+                entry.opened.set_exception(err)
+                entry.opened.exception()  # retrieved: waiters get it, nobody else must
+                raise
+            entry.close = close
+            entry.opened.set_result(source)
+        source = await asyncio.shield(entry.opened)
+        entry.users += 1
+        return source
+
+    async def release(self, identity: SourceIdentity) -> None:
+        """One user less; the last one closes the source (acks what was taken)."""
+        with self._lock:
+            entry = self._entries.get(identity)
+            if entry is None or entry.users == 0:
+                return
+            entry.users -= 1
+            if entry.users > 0:
+                return
+            del self._entries[identity]
+        if entry.close is not None:
+            await entry.close()
+
+    async def close_all(self) -> None:
+        """Closes every source opened on the running loop, whoever still uses it."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            mine = {k: e for k, e in self._entries.items() if e.loop is loop}
+            for identity in mine:
+                del self._entries[identity]
+        for entry in mine.values():
+            if entry.close is not None:
+                await entry.close()

@@ -475,8 +475,15 @@ async def test_replaying_the_export_gives_the_same_rows_as_the_live_stream(
         replayed = [await replay_wf.arun_episode(None, {}) for _ in live]
         with pytest.raises(ReplayFinished):
             await replay_wf.arun_episode(None, {})
-        for a, b in zip(live, replayed, strict=True):
-            assert a is not None and b is not None
+
+        # Calls are not answered in the order they were made (each waits for its grant
+        # first), so the dump's order (as handed out) may differ from `live`'s: by episode.
+        def by_episode(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+            done = [r for r in results if r is not None]
+            return sorted(done, key=lambda r: next(iter(r.values())).rollgate.trajectory_id)
+
+        assert len(replayed) == len(live)
+        for a, b in zip(by_episode(live), by_episode(replayed), strict=True):
             assert list(a) == list(b)
             for key in a:
                 assert as_lists(a[key].to_tensor_dict()) == as_lists(b[key].to_tensor_dict())
@@ -653,3 +660,100 @@ async def test_the_areal_demo_runs_two_steps_against_the_stack(stack: Stack) -> 
     assert text.count("#1 ") == 2 * 2 * 2  # every call's second sample is its own row
     assert "areal: weights updated to version 1" in text
     assert text.index("areal: rollout paused") < text.index("areal: rollout resumed")
+
+
+# -- AReaL builds a workflow object per task ------------------------------------------------
+
+
+def _areal_resolve(workflow_kwargs: dict[str, Any], *, group_size: int = 1) -> Any:
+    """A workflow as AReaL's RemoteInfEngine.submit gets one for each task: its own
+    `_resolve_workflow` turns the import path and kwargs into a new instance every time."""
+    import logging
+    from types import SimpleNamespace
+
+    from areal.infra.remote_inf_engine import RemoteInfEngine
+
+    engine = SimpleNamespace(
+        config=SimpleNamespace(agent=None), logger=logging.getLogger("areal-test")
+    )
+    return RemoteInfEngine._resolve_workflow(
+        engine,  # type: ignore[arg-type]
+        "rollgate.areal_workflow.RollgateWorkflow",
+        dict(workflow_kwargs),
+        group_size,
+    )
+
+
+async def test_the_instances_areal_makes_per_task_share_one_source_no_episode_twice_or_lost(
+    stack: Stack, tmp_path: Path
+) -> None:
+    assert AREAL_INSTALLED
+    await drained(stack, "per-task")
+    kwargs = {
+        "trainer_address": stack.trainer_address,
+        "admin_key": stack.config.admin_key,
+        "group": "per-task",
+        "consumer": "pod-t",
+    }
+    tasks = 4
+    workflows = [_areal_resolve(kwargs) for _ in range(tasks)]
+    assert len({id(w) for w in workflows}) == tasks  # AReaL's own path: one object per task
+    assert all(isinstance(w, RollgateWorkflow) for w in workflows)
+    try:
+        async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+            before = max(0, (await tc.stats()).capacity)
+        calls = [asyncio.create_task(w.arun_episode(None, {})) for w in workflows]
+        await eventually(lambda: _capacity_is(stack, before + tasks), timeout_s=20)
+        sent = await traffic(stack, tasks, task_id="per-task")
+        async with asyncio.timeout(60):
+            results = await asyncio.gather(*calls)
+        # A later task's new instance gets the next episode, not one handed out already.
+        late = _areal_resolve(kwargs)
+        call = asyncio.create_task(late.arun_episode(None, {}))
+        await traffic(stack, 1, task_id="per-task")
+        async with asyncio.timeout(60):
+            results.append(await call)
+    finally:
+        for w in workflows:
+            await w.aclose()
+        await late.aclose()
+    lines = export(stack, tmp_path / "all.jsonl")
+    by_session = {line["session_id"]: tid for tid, line in lines.items()}
+    got = [next(iter(r.values())).rollgate.trajectory_id for r in results if r]
+    assert len(got) == tasks + 1
+    assert len(set(got)) == len(got)  # none handed twice
+    sent_ids = {by_session[e.session_id] for e in sent}
+    assert sent_ids <= set(got)  # none lost
+    await eventually(lambda: _stats_match(stack, "per-task", pending=0), timeout_s=20)
+
+
+async def test_replay_through_areals_per_task_instances_reads_the_file_once(
+    tmp_path: Path,
+) -> None:
+    assert AREAL_INSTALLED
+    import json
+
+    path = tmp_path / "three.jsonl"
+    lines = []
+    for number in range(3):
+        data = json.loads(_offline_line())
+        data["trajectory_id"] = f"traj-offline-{number}"
+        data["stream_id"] = f"{number + 1}-0"
+        # Completion ids are unique (AReaL's GroupedRolloutWorkflow merges the dicts by key).
+        data["interactions"][0]["interaction_id"] = f"c-{number}"
+        lines.append(json.dumps(data))
+    path.write_text("\n".join(lines) + "\n")
+    kwargs = {"replay": str(path), "admin_key": "offline", "check_staleness": False}
+    # group_size=2: AReaL's GroupedRolloutWorkflow runs the new instance twice per task.
+    first = _areal_resolve(kwargs, group_size=2)
+    second = _areal_resolve(kwargs)
+    try:
+        grouped = await first.arun_episode(None, {})
+        single = await second.arun_episode(None, {})
+        with pytest.raises(ReplayFinished):
+            await _areal_resolve(kwargs).arun_episode(None, {})
+    finally:
+        await first.workflow.aclose()
+        await second.aclose()
+    ids = sorted({v.rollgate.trajectory_id for r in (grouped, single) for v in r.values()})
+    assert ids == ["traj-offline-0", "traj-offline-1", "traj-offline-2"]
