@@ -139,15 +139,21 @@ class SetWeightVersionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     VERSION_FIELD_NUMBER: _builtins.int
+    ALLOW_ROLLBACK_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    allow_rollback: _builtins.bool
+    """Accept a version lower than the current one: the trainer restarted from an older
+    checkpoint and says so. Without it a lower version is refused.
+    """
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
+        allow_rollback: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_rollback", b"allow_rollback", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -410,6 +410,9 @@ class WeightSync:
         self._control = TrainerControl(trainer_address, admin_key)
         self.pause_timeout_s = pause_timeout_s
         self.last_pause: PauseResult | None = None
+        # AReaL's first set_version after a start is its checkpoint's (recover): it may be
+        # lower than what the crashed run reached. Later ones only move forward.
+        self._versions_set = 0
 
     @classmethod
     def from_config(
@@ -432,9 +435,15 @@ class WeightSync:
         """Agent turns proceed again."""
         self._control.resume_submission()
 
-    def set_version(self, version: int) -> int:
-        """Later tokens are stamped with `version`."""
-        return self._control.set_weight_version(version)
+    def set_version(self, version: int, *, allow_rollback: bool | None = None) -> int:
+        """Later tokens are stamped with `version`. A version lower than rollgate's current
+        one is accepted on this object's first call (a trainer restarted from an older
+        checkpoint) or with `allow_rollback=True`; otherwise refused (TrainerError)."""
+        if allow_rollback is None:
+            allow_rollback = self._versions_set == 0
+        result = self._control.set_weight_version(version, allow_rollback=allow_rollback)
+        self._versions_set += 1
+        return result
 
     def close(self) -> None:
         """Closes the channel."""

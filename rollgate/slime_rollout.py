@@ -166,6 +166,9 @@ class SlimeRollout:
         self._source: EpisodeSource | None = None
         self._next_index = 0
         self._next_group = 0
+        # The first rollout of a life may set an older version than rollgate holds (slime
+        # restarted from a checkpoint: rollout ids start again from it); later ones may not.
+        self._rollouts_run = 0
         # Groups made but not returned yet (a batch ended inside an episode).
         self._pending: list[tuple[list[Any], tuple[str, ...]]] = []
         # trajectory id → [unit, number of its groups not returned yet]
@@ -190,7 +193,11 @@ class SlimeRollout:
         control = self._client
         version = int(getattr(args, "rollgate_weight_version", None) or rollout_id)
         if control is not None:
-            await control.set_weight_version(version)
+            allow_rollback = bool(getattr(args, "rollgate_allow_rollback", None)) or (
+                self._rollouts_run == 0
+            )
+            await control.set_weight_version(version, allow_rollback=allow_rollback)
+            self._rollouts_run += 1
             await control.resume_submission()
         dropped = 0
         try:

@@ -174,9 +174,12 @@ class TrainerClient:
                 held.difference_update(stream_ids)
         return int(response.acked)
 
-    async def set_weight_version(self, version: int) -> int:
-        """Stamps tokens generated from now on with `version` (never lower than current)."""
-        request = trainer_pb2.SetWeightVersionRequest(version=version)
+    async def set_weight_version(self, version: int, *, allow_rollback: bool = False) -> int:
+        """Stamps tokens generated from now on with `version`; one lower than the current is
+        refused unless `allow_rollback` (a trainer restarted from an older checkpoint)."""
+        request = trainer_pb2.SetWeightVersionRequest(
+            version=version, allow_rollback=allow_rollback
+        )
         response = await self._unary(self._require_stub().SetWeightVersion, request)
         return int(response.version)
 
@@ -248,9 +251,12 @@ class TrainerControl:
         """What `GetStats` reports."""
         return _stats(self._call(self._stub.GetStats, trainer_pb2.GetStatsRequest()))
 
-    def set_weight_version(self, version: int) -> int:
-        """Stamps tokens generated from now on with `version` (never lower than current)."""
-        request = trainer_pb2.SetWeightVersionRequest(version=version)
+    def set_weight_version(self, version: int, *, allow_rollback: bool = False) -> int:
+        """Stamps tokens generated from now on with `version`; one lower than the current is
+        refused unless `allow_rollback` (a trainer restarted from an older checkpoint)."""
+        request = trainer_pb2.SetWeightVersionRequest(
+            version=version, allow_rollback=allow_rollback
+        )
         return int(self._call(self._stub.SetWeightVersion, request).version)
 
     def pause_submission(self, timeout_s: float = 30.0) -> PauseResult:

@@ -280,8 +280,10 @@ class WeightVersionView:
     round trip instead of a poll interval (a 50 ms poll would mis-stamp up to 50 ms of tokens
     and cost 20 reads a second per replica). Pub/sub is fire-and-forget, so the task also
     re-reads the key every `reread_s` and after each (re)subscription: a message missed while
-    reconnecting is caught within a second. Versions only move forward, so the view keeps the
-    highest it has seen and an old reply can never move it back.
+    reconnecting is caught within a second. Versions move forward except when a trainer rolls
+    back on purpose (SetWeightVersion's allow_rollback), which bumps `P weight_version_epoch`:
+    the view keeps the highest (epoch, version) it has seen, so an old reply can never move it
+    back and a rollback always does.
     """
 
     def __init__(
@@ -294,6 +296,8 @@ class WeightVersionView:
     ) -> None:
         self._redis = redis
         self._key = keys.weight_version
+        self._epoch_key = keys.weight_version_epoch
+        self._epoch = 0
         self._reread_s = reread_s
         self._retry_s = retry_s
         self._current = 0
@@ -305,13 +309,17 @@ class WeightVersionView:
         """The highest weight version seen (no I/O)."""
         return self._current
 
-    def advance(self, version: int) -> None:
-        """Moves the view to `version` unless it already holds a higher one."""
-        if version > self._current:
-            log.info("weight_version_seen", version=version, previous=self._current)
-            self._current = version
-            for listener in list(self._listeners):
-                listener(version)
+    def advance(self, version: int, epoch: int | None = None) -> None:
+        """Moves the view to `version` (of rollback `epoch`, default: the view's) unless it
+        already holds a later one: a higher epoch, or the same epoch and a higher version."""
+        epoch = self._epoch if epoch is None else epoch
+        if (epoch, version) > (self._epoch, self._current):
+            moved = version != self._current
+            log.info("weight_version_seen", version=version, previous=self._current, epoch=epoch)
+            self._epoch, self._current = epoch, version
+            if moved:
+                for listener in list(self._listeners):
+                    listener(version)
 
     def listen(self, listener: Callable[[int], None]) -> Callable[[], None]:
         """Calls `listener(version)` on every move (no I/O in it); returns the unsubscribe."""
@@ -335,8 +343,8 @@ class WeightVersionView:
 
     async def _reread(self) -> None:
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            raw = await self._redis.get(self._key)
-        self.advance(int(raw or 0))
+            raw, epoch = await self._redis.mget(self._key, self._epoch_key)
+        self.advance(int(raw or 0), int(epoch or 0))
 
     async def _follow(self) -> None:
         while True:
@@ -358,7 +366,14 @@ class WeightVersionView:
                 async with asyncio.timeout(left + COMMAND_TIMEOUT_S):
                     message = await pubsub.get_message(timeout=left)
                 if message is not None and message.get("type") == "message":
-                    self.advance(int(message["data"]))
+                    self.advance(*_version_message(message["data"]))
                 if time.monotonic() >= next_read:
                     await self._reread()
                     next_read = time.monotonic() + self._reread_s
+
+
+def _version_message(data: bytes | str) -> tuple[int, int | None]:
+    """`<epoch>:<version>` as SetWeightVersion publishes it (a bare version: the view's epoch)."""
+    text = data.decode() if isinstance(data, bytes) else str(data)
+    epoch, _, version = text.rpartition(":")
+    return int(version), (int(epoch) if epoch else None)

@@ -124,6 +124,12 @@ class RedisKeys:
         return f"{self.prefix}weight_version"
 
     @property
+    def weight_version_epoch(self) -> str:
+        """Counter: how many times the weight version was rolled back (SetWeightVersion's
+        allow_rollback), so every replica's view can tell a rollback from a stale reply."""
+        return f"{self.prefix}weight_version_epoch"
+
+    @property
     def session_seq(self) -> str:
         """Counter behind session ids `<task_id>-<n>`."""
         return f"{self.prefix}seq:session"

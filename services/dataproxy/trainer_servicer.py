@@ -94,9 +94,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def SetWeightVersion(
         self, request: trainer_pb2.SetWeightVersionRequest, context: Context
     ) -> trainer_pb2.SetWeightVersionResponse:
-        """Stamps later tokens with this weight version (never lower than the current one)."""
+        """Stamps later tokens with this weight version (lower: only with allow_rollback)."""
         await self._authorize(context)
-        version = await self._stream.set_weight_version(request.version)
+        version = await self._stream.set_weight_version(
+            request.version, allow_rollback=request.allow_rollback
+        )
         return trainer_pb2.SetWeightVersionResponse(version=version)
 
     async def GetStats(

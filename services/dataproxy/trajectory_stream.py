@@ -58,16 +58,22 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
 return n
 """
 
-# Weight versions only move forward; repeating the current one is a no-op. The new version
-# is published on the channel named like the key, which every replica's WeightVersionView
-# follows (services/dataproxy/control.py) to stamp streamed tokens as they pass.
+# Weight versions move forward; repeating the current one is a no-op; a lower one only with
+# allow_rollback (ARGV[2] = '1': a trainer restarted from an older checkpoint), which also
+# counts a rollback epoch. `<epoch>:<version>` is published on the channel named like the
+# key, which every replica's WeightVersionView follows (services/dataproxy/control.py) to
+# stamp streamed tokens as they pass: within an epoch it only moves forward.
 _SET_VERSION_LUA = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 local wanted = tonumber(ARGV[1])
-if wanted < current then return {0, tostring(current)} end
+local epoch = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+if wanted < current then
+  if ARGV[2] ~= '1' then return {0, tostring(current)} end
+  epoch = redis.call('INCR', KEYS[2])
+end
 redis.call('SET', KEYS[1], ARGV[1])
-redis.call('PUBLISH', KEYS[1], ARGV[1])
-return {1, ARGV[1]}
+redis.call('PUBLISH', KEYS[1], tostring(epoch) .. ':' .. ARGV[1])
+return {1, ARGV[1], tostring(current)}
 """
 
 # Lua's unpack() has a stack limit of a few thousand values: ack in chunks.
@@ -151,18 +157,25 @@ class TrajectoryStream:
                 )
         return acked
 
-    async def set_weight_version(self, version: int) -> int:
-        """Sets the weight version; refuses to go backwards."""
+    async def set_weight_version(self, version: int, *, allow_rollback: bool = False) -> int:
+        """Sets the weight version; a lower one than the current only with `allow_rollback`."""
         if version < 0:
             raise InvalidRequest(f"weight version {version} is negative", code="invalid_version")
         async with asyncio.timeout(self._timeout_s):
-            ok, current = await self._set_version(keys=[self._keys.weight_version], args=[version])
-        if not int(ok):
+            reply = await self._set_version(
+                keys=[self._keys.weight_version, self._keys.weight_version_epoch],
+                args=[version, "1" if allow_rollback else "0"],
+            )
+        if not int(reply[0]):
             raise InvalidRequest(
-                f"weight version {version} is older than the current one ({int(current)}); "
-                "versions only move forward",
+                f"weight version {version} is older than the current one ({int(reply[1])}); "
+                "versions only move forward unless the trainer says it went back (restarted "
+                "from an older checkpoint): SetWeightVersion with allow_rollback=true",
                 code="weight_version_decreased",
             )
+        previous = int(reply[2])
+        if version < previous:
+            log.warning("weight_version_rolled_back", version=version, previous=previous)
         return version
 
     async def stats(self) -> TrainerStats:

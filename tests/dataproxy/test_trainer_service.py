@@ -294,8 +294,25 @@ async def test_weight_versions_only_move_forward(stack: Stack) -> None:
 
     assert caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
     assert "older than the current one (3)" in caught.value.message
+    assert "allow_rollback" in caught.value.message  # says how to go back on purpose
     assert await stack.redis.get(stack.keys.weight_version) == b"3"
     assert stats.weight_version == 3
+
+
+async def test_a_trainer_restarted_from_a_checkpoint_sets_an_older_version_on_purpose(
+    stack: Stack,
+) -> None:
+    async with stack.client() as tc:
+        assert await tc.set_weight_version(9) == 9
+        # slime restarted from the checkpoint of rollout 4: it says so.
+        assert await tc.set_weight_version(4, allow_rollback=True) == 4
+        assert (await tc.stats()).weight_version == 4
+        # Forward again as usual; a rollback that is not one is just a set.
+        assert await tc.set_weight_version(5) == 5
+        assert await tc.set_weight_version(6, allow_rollback=True) == 6
+        with pytest.raises(TrainerError):
+            await tc.set_weight_version(5)
+    assert await stack.redis.get(stack.keys.weight_version) == b"6"
 
 
 async def test_stats_report_the_counters_and_pending_over_all_groups(stack: Stack) -> None:

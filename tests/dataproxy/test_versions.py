@@ -215,6 +215,29 @@ def test_the_view_never_moves_backwards() -> None:
     view.advance(4)
     view.advance(2)
     assert view.current == 4
+    # Only a rollback (a later epoch) moves it down, and an old reply never undoes that.
+    view.advance(1, epoch=1)
+    assert view.current == 1
+    view.advance(4, epoch=0)  # a reply read before the rollback
+    assert view.current == 1
+
+
+async def test_the_view_follows_a_rollback_by_message_and_by_rereading(
+    redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    keys = RedisKeys(key_prefix)
+    stream = TrajectoryStream(redis=redis_client, keys=keys)
+    await stream.set_weight_version(8)
+    async with WeightVersionView(redis=redis_client, keys=keys, reread_s=60.0) as view:
+        assert view.current == 8
+        await stream.set_weight_version(3, allow_rollback=True)
+        await eventually(lambda: view.current == 3, timeout_s=2.0)  # the published message
+        await stream.set_weight_version(4)
+        await eventually(lambda: view.current == 4, timeout_s=2.0)
+    async with WeightVersionView(redis=redis_client, keys=keys, reread_s=0.05) as view:
+        assert view.current == 4
+        await stream.set_weight_version(2, allow_rollback=True)
+        await eventually(lambda: view.current == 2, timeout_s=2.0)
 
 
 def test_chunk_counts_that_do_not_add_up_fall_back_to_the_admission_version() -> None:

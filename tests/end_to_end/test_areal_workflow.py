@@ -29,7 +29,7 @@ from rollgate.areal_workflow import (
 )
 from rollgate.episodes import LiveOptions, LiveSource, ReplayFinished
 from rollgate.stack import Stack
-from rollgate.trainer_client import TrainerClient
+from rollgate.trainer_client import TrainerClient, TrainerError
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
 from services.runtime.secret import Secret
@@ -757,3 +757,28 @@ async def test_replay_through_areals_per_task_instances_reads_the_file_once(
         await second.aclose()
     ids = sorted({v.rollgate.trajectory_id for r in (grouped, single) for v in r.values()})
     assert ids == ["traj-offline-0", "traj-offline-1", "traj-offline-2"]
+
+
+async def test_a_restarted_areal_sets_its_checkpoints_older_version_then_only_moves_forward(
+    stack: Stack,
+) -> None:
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        version = (await tc.stats()).weight_version + 10
+    before_crash = WeightSync(stack.trainer_address, stack.config.admin_key)
+    await asyncio.to_thread(before_crash.set_version, version)
+    before_crash.close()
+    # AReaL restarted from an older checkpoint: its first set_version goes back.
+    restarted = WeightSync(stack.trainer_address, stack.config.admin_key)
+    try:
+        await asyncio.to_thread(restarted.set_version, version - 5)
+        async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+            assert (await tc.stats()).weight_version == version - 5
+        await asyncio.to_thread(restarted.set_version, version - 4)
+        with pytest.raises(TrainerError, match="allow_rollback"):
+            await asyncio.to_thread(restarted.set_version, version - 6)
+        # The trainer may still say so explicitly.
+        await asyncio.to_thread(restarted.set_version, version - 6, allow_rollback=True)
+    finally:
+        restarted.close()
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        assert (await tc.stats()).weight_version == version - 6

@@ -29,7 +29,7 @@ from rollgate.slime_rollout import (
     without_aborted,
 )
 from rollgate.stack import Stack
-from rollgate.trainer_client import TrainerClient
+from rollgate.trainer_client import TrainerClient, TrainerError
 from rollgate.trajectory import trajectory_from_json
 from tests.end_to_end.adapters import (
     N_SAMPLES,
@@ -330,3 +330,28 @@ async def test_the_slime_demo_runs_two_rollouts_against_the_stack(stack: Stack) 
     assert "versions=['21']" in text  # rollout 21 trains from version 21
     assert text.count("exact_token_ratio=1") == 2
     assert await _stats(stack, lambda s: s.paused and s.weight_version == 21)
+
+
+async def test_slime_restarted_from_an_older_checkpoint_sets_the_older_version(
+    stack: Stack,
+) -> None:
+    await drained(stack, "checkpoint")
+    args = slime_args(stack, "checkpoint", rollout_batch_size=2)
+    for life, rollout_id in enumerate((40, 35)):  # trained up to 40; restarts from 35's
+        running = asyncio.create_task(rollout(args, rollout_id))
+        await eventually(
+            lambda v=rollout_id: _stats(stack, lambda s: not s.paused and s.weight_version == v),
+            timeout_s=20,
+        )
+        await traffic(stack, 1, task_id=f"checkpoint-{life}")
+        async with asyncio.timeout(60):
+            output = await running
+        assert {v for g in output.samples for s in g for v in s.weight_versions} == {
+            str(rollout_id)
+        }
+        close_rollouts()  # the process ends: the next rollout is a new life
+    # Within one life a lower version is a mistake, and refused.
+    await rollout(slime_args(stack, "checkpoint", rollout_batch_size=0), 36)
+    with pytest.raises(TrainerError, match="allow_rollback"):
+        await rollout(slime_args(stack, "checkpoint", rollout_batch_size=0), 30)
+    assert await _stats(stack, lambda s: s.weight_version == 36)
