@@ -339,10 +339,7 @@ async def test_slime_restarted_from_an_older_checkpoint_sets_the_older_version(
     args = slime_args(stack, "checkpoint", rollout_batch_size=2)
     for life, rollout_id in enumerate((40, 35)):  # trained up to 40; restarts from 35's
         running = asyncio.create_task(rollout(args, rollout_id))
-        await eventually(
-            lambda v=rollout_id: _stats(stack, lambda s: not s.paused and s.weight_version == v),
-            timeout_s=20,
-        )
+        await eventually(lambda v=rollout_id: _resumed_at(stack, v), timeout_s=20)
         await traffic(stack, 1, task_id=f"checkpoint-{life}")
         async with asyncio.timeout(60):
             output = await running
@@ -355,3 +352,7 @@ async def test_slime_restarted_from_an_older_checkpoint_sets_the_older_version(
     with pytest.raises(TrainerError, match="allow_rollback"):
         await rollout(slime_args(stack, "checkpoint", rollout_batch_size=0), 30)
     assert await _stats(stack, lambda s: s.weight_version == 36)
+
+
+async def _resumed_at(stack: Stack, version: int) -> bool:
+    return await _stats(stack, lambda s: not s.paused and s.weight_version == version)
