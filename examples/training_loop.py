@@ -2,7 +2,10 @@
 """A training loop against a running rollgate: pull a batch, "train", sync weights, repeat.
 
     rollgate up                      # in another terminal; drive some agent episodes too
-    python examples/training_loop.py --batch-size 4 --steps 3
+    python examples/training_loop.py --batch-size 4 --steps 3 --include-history
+
+A new consumer group reads what is published from now on; `--include-history` makes it start
+at the beginning of the stream (the episodes driven before the loop's first run).
 
 Each step pulls `--batch-size` trajectories through a consumer group, turns them into AReaL's
 tensors (no torch), stands in for an optimizer step, then brackets a weight update the way a
@@ -46,6 +49,7 @@ class Options:
     turn_discount: float
     batch_timeout_s: float
     pause_timeout_s: float
+    include_history: bool = False
 
 
 def parse_args(argv: Sequence[str], environ: Mapping[str, str], stack_file: Path) -> Options:
@@ -77,6 +81,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], stack_file: Path
         help="give up on a step when a full batch has not arrived in this long",
     )
     parser.add_argument("--pause-timeout-s", type=float, default=30.0)
+    parser.add_argument(
+        "--include-history",
+        action="store_true",
+        help="a new consumer group starts at the beginning of the stream, not now",
+    )
     args = parser.parse_args(list(argv))
     if not args.admin_key:
         parser.error("no admin key: pass --admin-key or set ROLLGATE_ADMIN_KEY")
@@ -93,6 +102,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], stack_file: Path
         turn_discount=args.turn_discount,
         batch_timeout_s=args.batch_timeout_s,
         pause_timeout_s=args.pause_timeout_s,
+        include_history=args.include_history,
     )
 
 
@@ -118,6 +128,7 @@ async def pull_batch(
             options.consumer,
             max_count=options.batch_size - len(batch),
             idle_timeout_s=min(left, 5.0),
+            include_history=options.include_history,
         ):
             batch.append(item)
     return batch

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/trainer.proto\x12\x0brollgate.v1\"\x83\x01\n\x17PullTrajectoriesRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x11\n\tmax_count\x18\x03 \x01(\x05\x12\x16\n\x0eidle_timeout_s\x18\x04 \x01(\x01\x12\x1c\n\x14\x63omplete_groups_only\x18\x05 \x01(\x08\"\x80\x01\n\x11TrajectoryMessage\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\"/\n\nAckRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x12\n\nstream_ids\x18\x02 \x03(\t\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\x05\"B\n\x17SetWeightVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x61llow_rollback\x18\x02 \x01(\x08\"+\n\x18SetWeightVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xb5\x02\n\x10GetStatsResponse\x12\x15\n\ropen_episodes\x18\x01 \x01(\x03\x12\x11\n\tpublished\x18\x02 \x01(\x03\x12\x10\n\x08\x63onsumed\x18\x03 \x01(\x03\x12\x0f\n\x07pending\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x16\n\x0e\x65mpty_episodes\x18\x06 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x03\x12\x0e\n\x06paused\x18\x08 \x01(\x08\x12\x11\n\tjoin_rate\x18\t \x01(\x01\x12\x11\n\tin_flight\x18\n \x01(\x03\x12#\n\x16max_head_offpolicyness\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\x1c\n\x14staleness_batch_size\x18\x0c \x01(\x03\x42\x19\n\x17_max_head_offpolicyness\"+\n\x16PauseSubmissionRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"=\n\x17PauseSubmissionResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\"\x19\n\x17ResumeSubmissionRequest\"\x1a\n\x18ResumeSubmissionResponse\"(\n\x14GrantCapacityRequest\x12\x10\n\x08\x65pisodes\x18\x01 \x01(\x03\")\n\x15GrantCapacityResponse\x12\x10\n\x08\x63\x61pacity\x18\x01 \x01(\x03\x32\xe0\x04\n\x07Trainer\x12Z\n\x10PullTrajectories\x12$.rollgate.v1.PullTrajectoriesRequest\x1a\x1e.rollgate.v1.TrajectoryMessage0\x01\x12\x38\n\x03\x41\x63k\x12\x17.rollgate.v1.AckRequest\x1a\x18.rollgate.v1.AckResponse\x12_\n\x10SetWeightVersion\x12$.rollgate.v1.SetWeightVersionRequest\x1a%.rollgate.v1.SetWeightVersionResponse\x12G\n\x08GetStats\x12\x1c.rollgate.v1.GetStatsRequest\x1a\x1d.rollgate.v1.GetStatsResponse\x12\\\n\x0fPauseSubmission\x12#.rollgate.v1.PauseSubmissionRequest\x1a$.rollgate.v1.PauseSubmissionResponse\x12_\n\x10ResumeSubmission\x12$.rollgate.v1.ResumeSubmissionRequest\x1a%.rollgate.v1.ResumeSubmissionResponse\x12V\n\rGrantCapacity\x12!.rollgate.v1.GrantCapacityRequest\x1a\".rollgate.v1.GrantCapacityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/trainer.proto\x12\x0brollgate.v1\"\x9c\x01\n\x17PullTrajectoriesRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x11\n\tmax_count\x18\x03 \x01(\x05\x12\x16\n\x0eidle_timeout_s\x18\x04 \x01(\x01\x12\x1c\n\x14\x63omplete_groups_only\x18\x05 \x01(\x08\x12\x17\n\x0finclude_history\x18\x06 \x01(\x08\"\x80\x01\n\x11TrajectoryMessage\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\"/\n\nAckRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x12\n\nstream_ids\x18\x02 \x03(\t\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\x05\"B\n\x17SetWeightVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x61llow_rollback\x18\x02 \x01(\x08\"+\n\x18SetWeightVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xb5\x02\n\x10GetStatsResponse\x12\x15\n\ropen_episodes\x18\x01 \x01(\x03\x12\x11\n\tpublished\x18\x02 \x01(\x03\x12\x10\n\x08\x63onsumed\x18\x03 \x01(\x03\x12\x0f\n\x07pending\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x16\n\x0e\x65mpty_episodes\x18\x06 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x03\x12\x0e\n\x06paused\x18\x08 \x01(\x08\x12\x11\n\tjoin_rate\x18\t \x01(\x01\x12\x11\n\tin_flight\x18\n \x01(\x03\x12#\n\x16max_head_offpolicyness\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\x1c\n\x14staleness_batch_size\x18\x0c \x01(\x03\x42\x19\n\x17_max_head_offpolicyness\"+\n\x16PauseSubmissionRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"=\n\x17PauseSubmissionResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\"\x19\n\x17ResumeSubmissionRequest\"\x1a\n\x18ResumeSubmissionResponse\"(\n\x14GrantCapacityRequest\x12\x10\n\x08\x65pisodes\x18\x01 \x01(\x03\")\n\x15GrantCapacityResponse\x12\x10\n\x08\x63\x61pacity\x18\x01 \x01(\x03\x32\xe0\x04\n\x07Trainer\x12Z\n\x10PullTrajectories\x12$.rollgate.v1.PullTrajectoriesRequest\x1a\x1e.rollgate.v1.TrajectoryMessage0\x01\x12\x38\n\x03\x41\x63k\x12\x17.rollgate.v1.AckRequest\x1a\x18.rollgate.v1.AckResponse\x12_\n\x10SetWeightVersion\x12$.rollgate.v1.SetWeightVersionRequest\x1a%.rollgate.v1.SetWeightVersionResponse\x12G\n\x08GetStats\x12\x1c.rollgate.v1.GetStatsRequest\x1a\x1d.rollgate.v1.GetStatsResponse\x12\\\n\x0fPauseSubmission\x12#.rollgate.v1.PauseSubmissionRequest\x1a$.rollgate.v1.PauseSubmissionResponse\x12_\n\x10ResumeSubmission\x12$.rollgate.v1.ResumeSubmissionRequest\x1a%.rollgate.v1.ResumeSubmissionResponse\x12V\n\rGrantCapacity\x12!.rollgate.v1.GrantCapacityRequest\x1a\".rollgate.v1.GrantCapacityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.trainer_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLTRAJECTORIESREQUEST']._serialized_start=38
-  _globals['_PULLTRAJECTORIESREQUEST']._serialized_end=169
-  _globals['_TRAJECTORYMESSAGE']._serialized_start=172
-  _globals['_TRAJECTORYMESSAGE']._serialized_end=300
-  _globals['_ACKREQUEST']._serialized_start=302
-  _globals['_ACKREQUEST']._serialized_end=349
-  _globals['_ACKRESPONSE']._serialized_start=351
-  _globals['_ACKRESPONSE']._serialized_end=379
-  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_start=381
-  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_end=447
-  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_start=449
-  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_end=492
-  _globals['_GETSTATSREQUEST']._serialized_start=494
-  _globals['_GETSTATSREQUEST']._serialized_end=511
-  _globals['_GETSTATSRESPONSE']._serialized_start=514
-  _globals['_GETSTATSRESPONSE']._serialized_end=823
-  _globals['_PAUSESUBMISSIONREQUEST']._serialized_start=825
-  _globals['_PAUSESUBMISSIONREQUEST']._serialized_end=868
-  _globals['_PAUSESUBMISSIONRESPONSE']._serialized_start=870
-  _globals['_PAUSESUBMISSIONRESPONSE']._serialized_end=931
-  _globals['_RESUMESUBMISSIONREQUEST']._serialized_start=933
-  _globals['_RESUMESUBMISSIONREQUEST']._serialized_end=958
-  _globals['_RESUMESUBMISSIONRESPONSE']._serialized_start=960
-  _globals['_RESUMESUBMISSIONRESPONSE']._serialized_end=986
-  _globals['_GRANTCAPACITYREQUEST']._serialized_start=988
-  _globals['_GRANTCAPACITYREQUEST']._serialized_end=1028
-  _globals['_GRANTCAPACITYRESPONSE']._serialized_start=1030
-  _globals['_GRANTCAPACITYRESPONSE']._serialized_end=1071
-  _globals['_TRAINER']._serialized_start=1074
-  _globals['_TRAINER']._serialized_end=1682
+  _globals['_PULLTRAJECTORIESREQUEST']._serialized_end=194
+  _globals['_TRAJECTORYMESSAGE']._serialized_start=197
+  _globals['_TRAJECTORYMESSAGE']._serialized_end=325
+  _globals['_ACKREQUEST']._serialized_start=327
+  _globals['_ACKREQUEST']._serialized_end=374
+  _globals['_ACKRESPONSE']._serialized_start=376
+  _globals['_ACKRESPONSE']._serialized_end=404
+  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_start=406
+  _globals['_SETWEIGHTVERSIONREQUEST']._serialized_end=472
+  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_start=474
+  _globals['_SETWEIGHTVERSIONRESPONSE']._serialized_end=517
+  _globals['_GETSTATSREQUEST']._serialized_start=519
+  _globals['_GETSTATSREQUEST']._serialized_end=536
+  _globals['_GETSTATSRESPONSE']._serialized_start=539
+  _globals['_GETSTATSRESPONSE']._serialized_end=848
+  _globals['_PAUSESUBMISSIONREQUEST']._serialized_start=850
+  _globals['_PAUSESUBMISSIONREQUEST']._serialized_end=893
+  _globals['_PAUSESUBMISSIONRESPONSE']._serialized_start=895
+  _globals['_PAUSESUBMISSIONRESPONSE']._serialized_end=956
+  _globals['_RESUMESUBMISSIONREQUEST']._serialized_start=958
+  _globals['_RESUMESUBMISSIONREQUEST']._serialized_end=983
+  _globals['_RESUMESUBMISSIONRESPONSE']._serialized_start=985
+  _globals['_RESUMESUBMISSIONRESPONSE']._serialized_end=1011
+  _globals['_GRANTCAPACITYREQUEST']._serialized_start=1013
+  _globals['_GRANTCAPACITYREQUEST']._serialized_end=1053
+  _globals['_GRANTCAPACITYRESPONSE']._serialized_start=1055
+  _globals['_GRANTCAPACITYRESPONSE']._serialized_end=1096
+  _globals['_TRAINER']._serialized_start=1099
+  _globals['_TRAINER']._serialized_end=1707
 # @@protoc_insertion_point(module_scope)

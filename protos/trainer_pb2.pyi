@@ -29,8 +29,11 @@ class PullTrajectoriesRequest(_message.Message):
     MAX_COUNT_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     COMPLETE_GROUPS_ONLY_FIELD_NUMBER: _builtins.int
+    INCLUDE_HISTORY_FIELD_NUMBER: _builtins.int
     group: _builtins.str
-    """Consumer group name (created on first use, from the start of the stream)."""
+    """Consumer group name (created on first use; it then reads what is published from now on,
+    or everything still in the stream with include_history).
+    """
     consumer: _builtins.str
     """Consumer name within the group."""
     max_count: _builtins.int
@@ -39,6 +42,10 @@ class PullTrajectoriesRequest(_message.Message):
     """Stop when nothing new arrived for this long (0: wait until cancelled)."""
     complete_groups_only: _builtins.bool
     """Deliver an episode group only once all of its members are published."""
+    include_history: _builtins.bool
+    """A group this pull creates starts at the beginning of the stream (the whole history still
+    in it) instead of now. No effect on a group that exists: it goes on where it was.
+    """
     def __init__(
         self,
         *,
@@ -47,10 +54,11 @@ class PullTrajectoriesRequest(_message.Message):
         max_count: _builtins.int = ...,
         idle_timeout_s: _builtins.float = ...,
         complete_groups_only: _builtins.bool = ...,
+        include_history: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_groups_only", b"complete_groups_only", "consumer", b"consumer", "group", b"group", "idle_timeout_s", b"idle_timeout_s", "max_count", b"max_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_groups_only", b"complete_groups_only", "consumer", b"consumer", "group", b"group", "idle_timeout_s", b"idle_timeout_s", "include_history", b"include_history", "max_count", b"max_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,6 +34,7 @@ SECTION_FIELDS = frozenset(
         "consumer",
         "episode_group_size",
         "include_side_turns",
+        "include_history",
         "replay",
         "dump",
     }
@@ -43,6 +44,7 @@ ENV_NAMES = {
     "trainer_address": "ROLLGATE_TRAINER_ADDR",
     "group": "ROLLGATE_TRAINER_GROUP",
     "consumer": "ROLLGATE_TRAINER_CONSUMER",
+    "include_history": "ROLLGATE_INCLUDE_HISTORY",
     "replay": "ROLLGATE_REPLAY",
     "dump": "ROLLGATE_DUMP",
 }
@@ -62,6 +64,9 @@ class AdapterSettings:
     consumer: str
     episode_group_size: int = 1
     include_side_turns: bool = False
+    # A consumer group created by this adapter starts at the beginning of the stream (every
+    # episode still in it, earlier runs' too) instead of from now on.
+    include_history: bool = False
     # An export file to replay instead of the live stream.
     replay: str | None = None
     # A file to append every episode handed to the trainer to, as export lines.
@@ -117,7 +122,8 @@ def resolve(
         group=str(values.get("group") or default_group),
         consumer=str(values.get("consumer") or default_consumer(env)),
         episode_group_size=_positive_int(values.get("episode_group_size", 1)),
-        include_side_turns=_bool(values.get("include_side_turns", False)),
+        include_side_turns=_bool(values.get("include_side_turns", False), "include_side_turns"),
+        include_history=_bool(values.get("include_history", False), "include_history"),
         replay=str(values["replay"]) if values.get("replay") else None,
         dump=str(values["dump"]) if values.get("dump") else None,
         style=str(style),
@@ -214,7 +220,7 @@ def _positive_int(value: Any) -> int:
     return number
 
 
-def _bool(value: Any) -> bool:
+def _bool(value: Any, name: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -222,4 +228,4 @@ def _bool(value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise AdapterConfigError(f"include_side_turns must be true or false, not {value!r}")
+    raise AdapterConfigError(f"{name} must be true or false, not {value!r}")

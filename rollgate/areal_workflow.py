@@ -167,6 +167,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         discount: float | None = None,
         episode_group_size: int | None = None,
         include_side_turns: bool | None = None,
+        include_history: bool | None = None,
         drop_retry_orphans: bool = False,
         replay: str | None = None,
         dump: str | None = None,
@@ -187,6 +188,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
             discount=discount,
             episode_group_size=episode_group_size,
             include_side_turns=include_side_turns,
+            include_history=include_history,
             replay=replay,
             dump=dump,
         )
@@ -315,7 +317,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         async with self._start_lock:
             if self._source is None:
                 settings = self.settings
-                how = (settings.episode_group_size, settings.dump)
+                how = (settings.episode_group_size, settings.dump, settings.include_history)
                 self._source = await SOURCES.acquire(self.source_identity, how, self._open_source)
         return self._source
 
@@ -336,6 +338,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
                     episode_group_size=settings.episode_group_size,
                     grant_capacity=True,
                     dump=settings.dump,
+                    include_history=settings.include_history,
                 ),
             )
             await source.start()

@@ -39,6 +39,8 @@ GROUP_SETTLE_S = 1.0
 # Reconnect backoff when the pull stream breaks (dataproxy restart, network).
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
+# How long `LiveSource.start` waits for the Trainer service to open the stream.
+JOIN_TIMEOUT_S = 30.0
 # How many handed-out trajectory ids a source remembers to never hand one out twice.
 HANDED_LIMIT = 1_000_000
 # Errors that retrying cannot fix: the caller is told instead.
@@ -103,6 +105,8 @@ class LiveOptions:
     grant_capacity: bool = False
     # Where to append every unit handed out, as export lines (None: no dump).
     dump: str | None = None
+    # A new consumer group starts at the beginning of the stream instead of now.
+    include_history: bool = False
 
 
 class LiveSource:
@@ -126,29 +130,52 @@ class LiveSource:
         self._owed_grants = 0
         self._empty_seen: int | None = None
         self._dump = _Dump(options.dump) if options.dump else None
+        self._joined = asyncio.Event()
         self.duplicates_dropped = 0
         self.acked = 0
 
     async def start(self) -> LiveSource:
-        """Starts reading the stream (and, when granting, watching for empty episodes)."""
+        """Starts reading the stream (and, when granting, watching for empty episodes);
+        returns once the consumer group exists, so no episode published after it is missed
+        (a new group reads from now on: the grants and resumes that follow let agents run)."""
         if self._options.grant_capacity and not self._grouped:
             self._empty_seen = (await self._client.stats()).empty_episodes
             self._tasks.append(asyncio.create_task(self._watch_empty()))
-        self._tasks.append(asyncio.create_task(self._pull_forever()))
+        pull = asyncio.create_task(self._pull_forever())
+        self._tasks.append(pull)
         self._tasks.append(asyncio.create_task(self._ack_forever()))
         if self._grouped:
             self._tasks.append(asyncio.create_task(self._settle_groups()))
+        joined = asyncio.create_task(self._joined.wait())
+        try:
+            # The pull task ends only on a fatal error (a wrong key): then that is raised.
+            await asyncio.wait(
+                {joined, pull}, timeout=JOIN_TIMEOUT_S, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            joined.cancel()
+            if not self._joined.is_set():
+                await self.aclose()
+        if not self._joined.is_set():
+            self._raise_failure()
+            raise TimeoutError(
+                f"the Trainer service did not open the stream for group "
+                f"{self._options.group!r} in {JOIN_TIMEOUT_S:g} s: is rollgate's dataproxy up?"
+            )
         return self
 
     async def take(self) -> Unit | None:
-        """Grants capacity for one unit (when granting), then waits for the next one."""
+        """Grants capacity for one unit (when granting), then waits for the next one. Calls
+        are answered in the order they were made (the waiter queues before its grant)."""
         self._raise_failure()
-        if self._options.grant_capacity:
-            await self._grant(self._options.episode_group_size)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Unit | None] = loop.create_future()
         self._waiters.append(waiter)
+        granted = False
         try:
+            if self._options.grant_capacity:
+                await self._grant(self._options.episode_group_size)
+                granted = True
             self._dispatch()
             return await waiter
         except BaseException:
@@ -158,7 +185,7 @@ class LiveSource:
                 unit = waiter.result() if waiter.exception() is None else None
                 if unit:
                     self.give_back(unit)
-            elif self._options.grant_capacity:
+            elif granted:  # the grant is used by the next call instead of granting again
                 self._owed_grants += self._options.episode_group_size
             waiter.cancel()
             raise
@@ -270,6 +297,8 @@ class LiveSource:
                     self._options.group,
                     self._options.consumer,
                     complete_groups_only=self._grouped,
+                    include_history=self._options.include_history,
+                    on_joined=self._joined.set,
                 ):
                     delay = RECONNECT_MIN_S
                     self._receive(item)

@@ -305,6 +305,7 @@ class SlimeRollout:
                 episode_group_size=episode_group_size,
                 grant_capacity=False,
                 dump=settings.dump,
+                include_history=settings.include_history,
             ),
         )
         await source.start()
@@ -450,6 +451,7 @@ def rollout_for(args: Any, environ: Mapping[str, str] | None = None) -> SlimeRol
         consumer=getattr(args, "rollgate_consumer", None),
         episode_group_size=getattr(args, "rollgate_episode_group_size", None),
         include_side_turns=getattr(args, "rollgate_include_side_turns", None),
+        include_history=getattr(args, "rollgate_include_history", None),
         replay=getattr(args, "rollgate_replay", None),
         dump=getattr(args, "rollgate_dump", None),
     )

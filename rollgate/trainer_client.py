@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -25,6 +25,8 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 _ERROR_METADATA_KEY = "rollgate-error-bin"
+# The dataproxy's initial metadata on a pull once the consumer group exists.
+_GROUP_READY_METADATA_KEY = "rollgate-group-ready"
 # How many (group, trajectory id) pairs a client remembers to drop duplicates.
 SEEN_LIMIT = 100_000
 
@@ -117,8 +119,15 @@ class TrainerClient:
         idle_timeout_s: float = 0.0,
         *,
         complete_groups_only: bool = False,
+        include_history: bool = False,
+        on_joined: Callable[[], None] | None = None,
     ) -> AsyncIterator[PulledTrajectory]:
         """Trajectories for `consumer` in `group`; duplicates (per group, by id) are dropped.
+
+        A group this pull creates reads what is published from now on; `include_history`
+        makes it start at the beginning of the stream instead (an existing group goes on
+        where it was either way). `on_joined` is called once the server has the group: from
+        then on no published trajectory is missed, so agents may start.
 
         Ends after `max_count` new trajectories (0: no limit) or `idle_timeout_s` without one
         (0: runs until the caller stops iterating). Trajectories this client already handed
@@ -133,12 +142,17 @@ class TrainerClient:
             max_count=max_count + len(held) if max_count > 0 else 0,
             idle_timeout_s=idle_timeout_s,
             complete_groups_only=complete_groups_only,
+            include_history=include_history,
         )
         # No deadline on the stream itself: it ends by count or idle time; keepalive
         # pings detect a dead server.
         call = self._require_stub().PullTrajectories(request, metadata=self._metadata)
         shown = 0
         try:
+            if on_joined is not None:
+                ready = await call.initial_metadata()
+                if any(key == _GROUP_READY_METADATA_KEY for key, _value in ready or ()):
+                    on_joined()
             async for message in call:
                 seen_key = (group, message.trajectory_id)
                 first = self._seen.get(seen_key)

@@ -25,6 +25,8 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 log = get_logger(__name__)
 
+# Initial metadata of a pull, sent once its consumer group exists.
+GROUP_READY_METADATA_KEY = "rollgate-group-ready"
 _SHUTTING_DOWN = "the dataproxy is shutting down; pull again (another replica will serve you)"
 
 
@@ -60,6 +62,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """Streams trajectories to one consumer of a group until a limit or cancellation."""
         await self._authorize(context)
         await self._check_pull(request, context)
+        await self._stream.ensure_group(request.group, include_history=request.include_history)
+        # The group exists: a client may now let agents run without missing an episode.
+        await context.send_initial_metadata(((GROUP_READY_METADATA_KEY, "1"),))
         async for entry, tag in self._pull(request):
             yield _message(entry, tag)
         if self._stopping.is_set():
@@ -76,6 +81,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             max_count=0 if grouped else request.max_count,
             idle_timeout_s=request.idle_timeout_s,
             stopping=self._stopping,
+            include_history=request.include_history,
         )
         if grouped:
             return complete_groups(source, self._groups, max_count=request.max_count)

@@ -101,12 +101,17 @@ class TrajectoryStream:
         self._ack = redis.register_script(_ACK_LUA)
         self._set_version = redis.register_script(_SET_VERSION_LUA)
 
-    async def ensure_group(self, group: str) -> None:
-        """Creates the consumer group (from the start of the stream) unless it exists."""
+    async def ensure_group(self, group: str, *, include_history: bool = False) -> None:
+        """Creates the consumer group unless it exists: reading what is published from now on
+        (`$`), or with `include_history` everything still in the stream (`0`). A trainer that
+        starts for the first time wants the former: the history is earlier runs' episodes."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 await self._redis.xgroup_create(
-                    self._keys.trajectories, group, id="0", mkstream=True
+                    self._keys.trajectories,
+                    group,
+                    id="0" if include_history else "$",
+                    mkstream=True,
                 )
         except ResponseError as err:
             if "BUSYGROUP" not in str(err):
@@ -120,9 +125,10 @@ class TrajectoryStream:
         max_count: int = 0,
         idle_timeout_s: float = 0.0,
         stopping: asyncio.Event | None = None,
+        include_history: bool = False,
     ) -> AsyncIterator[StreamEntry]:
         """Own pending entries first, then reclaimed and new ones, until a limit is reached."""
-        await self.ensure_group(group)
+        await self.ensure_group(group, include_history=include_history)
         budget = _Budget(max_count=max_count, idle_timeout_s=idle_timeout_s, stopping=stopping)
         async for entry in self._own_pending(group, consumer, budget):
             yield entry

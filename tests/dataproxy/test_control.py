@@ -231,7 +231,11 @@ async def test_complete_groups_only_delivers_a_group_once_every_member_ended(
 async def _pull(proxy: Proxy, consumer: str) -> list[trainer_pb2.TrajectoryMessage]:
     call = proxy.trainer.PullTrajectories(
         trainer_pb2.PullTrajectoriesRequest(
-            group="grpo", consumer=consumer, idle_timeout_s=0.6, complete_groups_only=True
+            include_history=True,
+            group="grpo",
+            consumer=consumer,
+            idle_timeout_s=0.6,
+            complete_groups_only=True,
         ),
         metadata=AUTH,
         timeout=20,

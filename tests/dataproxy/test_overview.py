@@ -86,7 +86,7 @@ async def chain(
 async def _pull(chain: Chain, group: str, count: int) -> list[str]:
     call = chain.trainer.PullTrajectories(
         trainer_pb2.PullTrajectoriesRequest(
-            group=group, consumer="c1", max_count=count, idle_timeout_s=2.0
+            include_history=True, group=group, consumer="c1", max_count=count, idle_timeout_s=2.0
         ),
         metadata=AUTH,
         timeout=20,

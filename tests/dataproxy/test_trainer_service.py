@@ -111,15 +111,67 @@ async def stack(make_stack: StackFactory) -> Stack:
 
 
 async def collect(
-    client: TrainerClient, group: str, consumer: str, *, max_count: int = 0, idle_s: float = 0.5
+    client: TrainerClient,
+    group: str,
+    consumer: str,
+    *,
+    max_count: int = 0,
+    idle_s: float = 0.5,
+    include_history: bool = True,
 ) -> list[PulledTrajectory]:
+    """A pull; these tests publish first, so a new group reads the history unless told."""
     async with asyncio.timeout(30):
         return [
             item
             async for item in client.pull(
-                group, consumer, max_count=max_count, idle_timeout_s=idle_s
+                group,
+                consumer,
+                max_count=max_count,
+                idle_timeout_s=idle_s,
+                include_history=include_history,
             )
         ]
+
+
+async def test_a_new_group_reads_from_now_and_include_history_reads_the_whole_stream(
+    stack: Stack,
+) -> None:
+    await stack.publish("old-0")
+    await stack.publish("old-1")
+    async with stack.client() as tc:
+        # A fresh trainer: earlier runs' episodes are not its business.
+        assert await collect(tc, "fresh", "c0", include_history=False) == []
+        await stack.publish("new-0")
+        fresh = await collect(tc, "fresh", "c0", include_history=False)
+        # Asked for: the whole stream, from its first entry.
+        everything = await collect(tc, "replayer", "c0", include_history=True)
+        # An existing group goes on where it was, whatever the flag.
+        await stack.publish("new-1")
+        later = await collect(tc, "fresh", "c0", include_history=True)
+    assert [p.trajectory.trajectory_id for p in fresh] == ["new-0"]
+    assert [p.trajectory.trajectory_id for p in everything] == ["old-0", "old-1", "new-0"]
+    assert [p.trajectory.trajectory_id for p in later] == ["new-1"]
+
+
+async def test_on_joined_is_called_once_the_group_exists_so_nothing_after_is_missed(
+    stack: Stack,
+) -> None:
+    joined = asyncio.Event()
+    async with stack.client() as tc:
+        items: list[PulledTrajectory] = []
+
+        async def read() -> None:
+            async for item in tc.pull("joined", "c0", max_count=1, on_joined=joined.set):
+                items.append(item)
+
+        reader = asyncio.create_task(read())
+        async with asyncio.timeout(10):
+            await joined.wait()
+        # Published right after the group exists (and before the reader's first read).
+        await stack.publish("just-after")
+        async with asyncio.timeout(10):
+            await reader
+    assert [p.trajectory.trajectory_id for p in items] == ["just-after"]
 
 
 async def test_calls_without_a_key_are_refused_with_an_explanation(stack: Stack) -> None:

@@ -37,7 +37,9 @@ from rollgate.trainer_client import TrainerClient
 
 async def main(address, key, group, consumer, count):
     async with TrainerClient(address, key) as tc:
-        async for item in tc.pull(group, consumer, max_count=int(count), idle_timeout_s=10):
+        async for item in tc.pull(
+            group, consumer, max_count=int(count), idle_timeout_s=10, include_history=True
+        ):
             print(item.trajectory.trajectory_id, flush=True)
         print("PULLED", flush=True)
         await asyncio.Event().wait()  # never acks: dies holding its entries
@@ -141,7 +143,14 @@ async def pull_until(
 
     async def arrived() -> bool:
         async with asyncio.timeout(30):
-            got.extend([item async for item in tc.pull(group, consumer, idle_timeout_s=0.3)])
+            got.extend(
+                [
+                    item
+                    async for item in tc.pull(
+                        group, consumer, idle_timeout_s=0.3, include_history=True
+                    )
+                ]
+            )
         return len(got) >= want
 
     await eventually(arrived, timeout_s=20, interval_s=0, what=f"{want} trajectories pulled")
@@ -197,7 +206,12 @@ async def test_a_reclaimed_copy_of_a_trajectory_already_trained_on_is_dropped_an
             found: dict[str, int] = await trainer.pending_by_consumer("ppo")
             if found != {"doomed": 0, "survivor": 1}:
                 later.extend(
-                    [item async for item in tc.pull("ppo", "survivor", idle_timeout_s=0.3)]
+                    [
+                        item
+                        async for item in tc.pull(
+                            "ppo", "survivor", idle_timeout_s=0.3, include_history=True
+                        )
+                    ]
                 )
             return found
 
@@ -213,10 +227,25 @@ async def test_a_second_pull_before_acking_brings_max_count_new_trajectories(
         await trainer.publish(f"t{n}")
 
     async with trainer.client() as tc, asyncio.timeout(30):
-        first = [item async for item in tc.pull("ppo", "c0", max_count=2, idle_timeout_s=5)]
-        second = [item async for item in tc.pull("ppo", "c0", max_count=2, idle_timeout_s=5)]
+        first = [
+            item
+            async for item in tc.pull(
+                "ppo", "c0", max_count=2, idle_timeout_s=5, include_history=True
+            )
+        ]
+        second = [
+            item
+            async for item in tc.pull(
+                "ppo", "c0", max_count=2, idle_timeout_s=5, include_history=True
+            )
+        ]
         await tc.ack("ppo", [item.stream_id for item in first + second])
-        third = [item async for item in tc.pull("ppo", "c0", max_count=2, idle_timeout_s=0.5)]
+        third = [
+            item
+            async for item in tc.pull(
+                "ppo", "c0", max_count=2, idle_timeout_s=0.5, include_history=True
+            )
+        ]
 
     assert [item.trajectory.trajectory_id for item in first] == ["t0", "t1"]
     assert [item.trajectory.trajectory_id for item in second] == ["t2", "t3"]

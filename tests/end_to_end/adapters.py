@@ -77,7 +77,8 @@ def export(stack: Stack, out: Path) -> dict[str, dict[str, Any]]:
 
 
 async def drained(stack: Stack, group: str) -> None:
-    """Creates `group` and acks what the stream already holds: the group starts from now."""
+    """Creates `group` before the test's agents run (a new group reads from now on; this
+    also acks anything a group of that name already held)."""
     async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
         items = [p async for p in tc.pull(group, "drain", idle_timeout_s=0.5)]
         if items:

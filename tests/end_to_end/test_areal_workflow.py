@@ -475,15 +475,8 @@ async def test_replaying_the_export_gives_the_same_rows_as_the_live_stream(
         replayed = [await replay_wf.arun_episode(None, {}) for _ in live]
         with pytest.raises(ReplayFinished):
             await replay_wf.arun_episode(None, {})
-
-        # Calls are not answered in the order they were made (each waits for its grant
-        # first), so the dump's order (as handed out) may differ from `live`'s: by episode.
-        def by_episode(results: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
-            done = [r for r in results if r is not None]
-            return sorted(done, key=lambda r: next(iter(r.values())).rollgate.trajectory_id)
-
-        assert len(replayed) == len(live)
-        for a, b in zip(by_episode(live), by_episode(replayed), strict=True):
+        for a, b in zip(live, replayed, strict=True):
+            assert a is not None and b is not None
             assert list(a) == list(b)
             for key in a:
                 assert as_lists(a[key].to_tensor_dict()) == as_lists(b[key].to_tensor_dict())
@@ -782,3 +775,34 @@ async def test_a_restarted_areal_sets_its_checkpoints_older_version_then_only_mo
         restarted.close()
     async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
         assert (await tc.stats()).weight_version == version - 6
+
+
+async def test_a_fresh_trainer_reads_from_now_unless_it_asks_for_the_history(
+    stack: Stack, tmp_path: Path
+) -> None:
+    async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+        await tc.grant_capacity(1)  # an episode of an earlier run, before any trainer
+    [earlier] = await traffic(stack, 1, task_id="history")
+    fresh = workflow(stack, "history-fresh", consumer="pod-h")
+    full = workflow(stack, "history-full", consumer="pod-h", include_history=True)
+    try:
+        calls = [asyncio.create_task(w.arun_episode(None, {})) for w in (fresh, full)]
+        async with asyncio.timeout(30):
+            # The history reader gets the earlier episode first (without an agent running).
+            with_history = await calls[1]
+        assert with_history is not None
+        # (Its own call's grant is used by the next agent, which the fresh trainer reads.)
+        [later] = await traffic(stack, 1, task_id="history")
+        async with asyncio.timeout(60):
+            from_now = await calls[0]
+    finally:
+        await _return_grant(stack)
+        await fresh.aclose()
+        await full.aclose()
+    assert from_now is not None
+    # The history reader starts at the stream's first entry (this module's first episode, or
+    # the earlier one when this test runs alone); the fresh one gets the agent after it.
+    oldest = next(iter(export(stack, tmp_path / "all.jsonl").values()))
+    assert earlier.session_id
+    assert next(iter(with_history.values())).rollgate.trajectory_id == oldest["trajectory_id"]
+    assert next(iter(from_now.values())).rollgate.session_id == later.session_id

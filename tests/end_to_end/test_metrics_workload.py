@@ -99,7 +99,9 @@ def run_workload(stack: Stack) -> dict[str, Any]:
 async def train(stack: Stack) -> None:
     """Pulls 3 trajectories, acks 2, moves the weight version to 2, pauses and resumes."""
     async with TrainerClient(stack.trainer_address, stack.config.admin_key) as trainer:
-        pulled = [t.stream_id async for t in trainer.pull(GROUP, "c1", max_count=3)]
+        pulled = [
+            t.stream_id async for t in trainer.pull(GROUP, "c1", max_count=3, include_history=True)
+        ]
         assert len(pulled) == 3
         assert await trainer.ack(GROUP, pulled[:2]) == 2
         await trainer.set_weight_version(2)

@@ -81,7 +81,7 @@ async def _run_workload(
     assert (await _post(http, url + "/v1/chat/completions", started["api_key"], refused))[0] == 429
     pull = trainer.PullTrajectories(
         trainer_pb2.PullTrajectoriesRequest(
-            group="g1", consumer="c", max_count=2, idle_timeout_s=2
+            include_history=True, group="g1", consumer="c", max_count=2, idle_timeout_s=2
         ),
         metadata=AUTH,
         timeout=20,

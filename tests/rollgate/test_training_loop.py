@@ -43,6 +43,7 @@ async def test_the_loop_trains_on_batches_bumps_the_version_and_acks(trainer: Tr
         "2",
         "--batch-timeout-s",
         "20",
+        "--include-history",  # published before the loop's group existed
     )
 
     assert code == 0, err
@@ -69,6 +70,7 @@ async def test_the_loop_reports_a_batch_that_never_fills(trainer: Trainer) -> No
         "1",
         "--batch-timeout-s",
         "1",
+        "--include-history",
     )
 
     assert code == 1
