@@ -132,9 +132,14 @@ def resolve(
 
 
 def default_consumer(environ: Mapping[str, str]) -> str:
-    """A name that is the same after a restart on the same host and rank (so unacked episodes
-    come back to it at once): host name and RANK."""
-    return f"{socket.gethostname()}-{environ.get('RANK', '0')}"
+    """`<host>-<RANK>` when RANK is set (torchrun, AReaL and slime set it): one name per rank,
+    the same after a restart, so a restarted rank gets its unacked episodes back at once.
+    Without RANK, `<host>-pid<pid>`: unique per process, so two trainers on one host never
+    read each other's pending entries (a restarted one gets them back from the reclaim)."""
+    rank = environ.get("RANK")
+    if rank:
+        return f"{socket.gethostname()}-{rank}"
+    return f"{socket.gethostname()}-pid{os.getpid()}"
 
 
 def _load(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> Mapping[str, Any]:

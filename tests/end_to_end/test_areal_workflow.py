@@ -806,3 +806,67 @@ async def test_a_fresh_trainer_reads_from_now_unless_it_asks_for_the_history(
     assert earlier.session_id
     assert next(iter(with_history.values())).rollgate.trajectory_id == oldest["trajectory_id"]
     assert next(iter(from_now.values())).rollgate.session_id == later.session_id
+
+
+async def test_two_trainer_processes_with_default_names_never_get_each_others_episodes(
+    stack: Stack, tmp_path: Path
+) -> None:
+    script = tmp_path / "reader.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, sys
+            from rollgate.adapter_settings import resolve
+            from rollgate.episodes import LiveOptions, LiveSource
+            from rollgate.trainer_client import TrainerClient
+            async def main():
+                settings = resolve(default_group="two-procs",
+                    trainer_address={stack.trainer_address!r}, admin_key={stack.config.admin_key!r})
+                async with TrainerClient(settings.trainer_address, settings.admin_key) as tc:
+                    options = LiveOptions(group=settings.group, consumer=settings.consumer)
+                    source = await LiveSource(tc, options).start()
+                    print(settings.consumer, flush=True)
+                    try:
+                        async with asyncio.timeout(float(sys.argv[1])):
+                            unit = await source.take()
+                        print(unit[0].trajectory.trajectory_id, flush=True)
+                    except TimeoutError:
+                        print("nothing", flush=True)
+                    await asyncio.sleep(3600)  # holds what it pulled, unacked
+            asyncio.run(main())
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    env["PYTHONPATH"] = str(ROOT)
+
+    async def reader(wait_s: float) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, str(script), str(wait_s), stdout=asyncio.subprocess.PIPE, env=env
+        )
+
+    async def line(process: asyncio.subprocess.Process) -> str:
+        assert process.stdout is not None
+        return (await asyncio.wait_for(process.stdout.readline(), 120)).decode().strip()
+
+    first = await reader(60)
+    second: asyncio.subprocess.Process | None = None
+    try:
+        first_name = await line(first)  # printed once its group exists
+        async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
+            await tc.grant_capacity(2)
+        await traffic(stack, 2, task_id="two-procs")
+        taken = await line(first)
+        assert taken.startswith("traj-")
+        # The first process pulled both: one taken, one waiting in its queue, both pending.
+        await eventually(lambda: _stats_match(stack, "two-procs", pending=2), timeout_s=20)
+        second = await reader(3)
+        second_name = await line(second)
+        # Not handed the first process's pending entries (a shared name would be).
+        assert await line(second) == "nothing"
+        assert second_name != first_name
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+                await process.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,37 @@ def test_areal_itself_accepts_the_section_and_keeps_the_key_a_reference() -> Non
         default_group="areal", config={"rollgate": section}, environ={"ROLLGATE_ADMIN_KEY": KEY}
     )
     assert settings.admin_key == KEY
+
+
+def test_default_consumer_names_are_unique_per_process_and_stable_per_rank() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from rollgate.adapter_settings import resolve;"
+        "print(resolve(default_group='g', admin_key='k').consumer)"
+    )
+
+    def name(**env: str) -> str:
+        environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**environ, "PYTHONPATH": str(ROOT), **env},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        return run.stdout.strip()
+
+    # Two trainer processes on one host without RANK: two consumers, so neither is handed
+    # the other's pending entries.
+    first, second = name(), name()
+    assert first != second
+    assert first.startswith(socket.gethostname() + "-pid")
+    # With RANK (torchrun, AReaL, slime set it): one name per rank, the same after a restart,
+    # so a restarted rank gets its unacked entries back at once.
+    rank_two = name(RANK="2")
+    assert rank_two == name(RANK="2") == f"{socket.gethostname()}-2"
+    assert name(RANK="3") == f"{socket.gethostname()}-3"
