@@ -17,6 +17,7 @@ interface is duck-typed. Tensors are torch tensors when torch imports, numpy arr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -36,6 +37,7 @@ from rollgate.episodes import (
     SourceIdentity,
     Unit,
 )
+from rollgate.scoring import ScoreFn, load_score_fn, scored
 from rollgate.tensors import Style
 from rollgate.trainer_client import PauseResult, TrainerClient, TrainerControl, TrainerStats
 
@@ -169,6 +171,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         include_side_turns: bool | None = None,
         include_history: bool | None = None,
         drop_retry_orphans: bool = False,
+        score_fn: ScoreFn | str | None = None,
         replay: str | None = None,
         dump: str | None = None,
         tensor_keys: TensorKeys | None = None,
@@ -193,6 +196,8 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
             dump=dump,
         )
         self.drop_retry_orphans = drop_retry_orphans
+        # The trainer's own reward per row (rollgate/scoring.py), before the turn discount.
+        self.score_fn = load_score_fn(score_fn)
         major = areal_major_version()
         self.tensor_keys: TensorKeys = tensor_keys or (
             "areal1" if major is not None and major < 2 else "areal2"
@@ -227,7 +232,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
         if unit is None:
             return None
         try:
-            interactions = self.interactions(unit)
+            interactions = self.interactions(await self.scored(unit))
         except BaseException:
             source.give_back(unit)
             raise
@@ -237,6 +242,18 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
             return None
         _record_reward(next(reversed(interactions.values())).reward)
         return interactions
+
+    async def scored(self, unit: Unit) -> Unit:
+        """The unit with `score_fn`'s rewards (as it is without one)."""
+        if self.score_fn is None:
+            return unit
+        score_fn = self.score_fn
+        return tuple(
+            [
+                dataclasses.replace(episode, trajectory=await scored(episode.trajectory, score_fn))
+                for episode in unit
+            ]
+        )
 
     def interactions(self, unit: Unit) -> dict[str, Any]:
         """A unit's rows as AReaL's interaction dict, in row order (call groups consecutive)."""
@@ -248,6 +265,7 @@ class RollgateWorkflow(_WorkflowBase):  # type: ignore[misc]
                 turn_discount=self.settings.discount,
                 include_side_turns=self.settings.include_side_turns,
                 drop_retry_orphans=self.drop_retry_orphans,
+                sample_rewards=self.score_fn is not None,
             )
             for row in made.rows:
                 out[row.key] = self._interaction(row, episode)

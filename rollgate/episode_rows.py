@@ -80,8 +80,10 @@ def episode_rows(
     turn_discount: float = 1.0,
     include_side_turns: bool = False,
     drop_retry_orphans: bool = False,
+    sample_rewards: bool = False,
 ) -> EpisodeRows:
-    """The rows of one episode, whole call groups only, in `to_tensors` order."""
+    """The rows of one episode, whole call groups only, in `to_tensors` order
+    (`sample_rewards`: each extra sample has its own reward, a `score_fn`'s)."""
     trajectory = episode.trajectory
     made = training_rows(
         trajectory,
@@ -89,6 +91,7 @@ def episode_rows(
         turn_discount=turn_discount,
         drop_retry_orphans=drop_retry_orphans,
         include_side_turns=include_side_turns,
+        sample_rewards=sample_rewards,
     )
     by_index = {i.index: i for i in trajectory.interactions}
     counts = Counter(row.sample_group for row in made.rows)

@@ -15,6 +15,7 @@ fields. Settings: `args.rollgate_*` attributes, else `ROLLGATE_*` variables (doc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import threading
@@ -37,6 +38,7 @@ from rollgate.episodes import (
     ReplayFinished,
     Unit,
 )
+from rollgate.scoring import ScoreFn, load_score_fn, scored
 from rollgate.trainer_client import TrainerClient
 
 log = logging.getLogger("rollgate.slime")
@@ -151,6 +153,8 @@ class SlimeOptions:
     pause_timeout_s: float = 30.0
     # None: wait for the batch as long as it takes (OpenClaw-RL's behaviour).
     wait_timeout_s: float | None = None
+    # The trainer's own reward per sample (rollgate/scoring.py), before the turn discount.
+    score_fn: ScoreFn | None = None
 
 
 class SlimeRollout:
@@ -216,7 +220,7 @@ class SlimeRollout:
                     raise
                 if unit is None:
                     continue
-                dropped += self._add(unit)
+                dropped += self._add(unit, await self._scored(unit))
                 if time.monotonic() - last_progress > PROGRESS_EVERY_S:
                     log.info("waiting for episodes: %d/%d groups", len(self._pending), batch_size)
                     last_progress = time.monotonic()
@@ -244,10 +248,23 @@ class SlimeRollout:
                 "are agents running episodes against the gateway?"
             ) from None
 
-    def _add(self, unit: Unit) -> int:
-        """The unit's groups go to the pending list; returns how many groups were dropped."""
+    async def _scored(self, unit: Unit) -> Unit:
+        score_fn = self.options.score_fn
+        if score_fn is None:
+            return unit
+        return tuple(
+            [
+                dataclasses.replace(episode, trajectory=await scored(episode.trajectory, score_fn))
+                for episode in unit
+            ]
+        )
+
+    def _add(self, unit: Unit, rows_from: Unit) -> int:
+        """The unit's groups (made from `rows_from`, the unit as scored) go to the pending
+        list; returns how many groups were dropped."""
         groups = make_groups(
-            unit,
+            rows_from,
+            sample_rewards=self.options.score_fn is not None,
             group_by=self.options.group_by,
             reward_key=self.options.reward_key,
             turn_discount=self.options.turn_discount,
@@ -329,13 +346,18 @@ def make_groups(
     turn_discount: float = 1.0,
     include_side_turns: bool = False,
     first_index: int = 0,
+    sample_rewards: bool = False,
 ) -> list[list[Any]]:
-    """A unit's samples in groups: per call, per episode, or the whole unit."""
+    """A unit's samples in groups: per call, per episode, or the whole unit
+    (`sample_rewards`: each extra sample has its own reward, a `score_fn`'s)."""
     per_episode: list[list[list[Any]]] = []
     index = first_index
     for episode in unit:
         made = episode_rows(
-            episode, turn_discount=turn_discount, include_side_turns=include_side_turns
+            episode,
+            turn_discount=turn_discount,
+            include_side_turns=include_side_turns,
+            sample_rewards=sample_rewards,
         )
         calls: OrderedDict[str, list[Any]] = OrderedDict()
         for row in made.rows:
@@ -461,6 +483,7 @@ def rollout_for(args: Any, environ: Mapping[str, str] | None = None) -> SlimeRol
         turn_discount=float(getattr(args, "rollgate_turn_discount", None) or 1.0),
         pause_timeout_s=float(getattr(args, "rollgate_pause_timeout_s", None) or 30.0),
         wait_timeout_s=getattr(args, "rollgate_wait_timeout_s", None),
+        score_fn=load_score_fn(getattr(args, "rollgate_score_fn", None)),
     )
     if options.group_by not in ("call", "episode", "episode_group"):
         raise ValueError(

@@ -133,9 +133,15 @@ def training_rows(
     turn_discount: float = 1.0,
     drop_retry_orphans: bool = False,
     include_side_turns: bool = False,
+    sample_rewards: bool = False,
 ) -> TrainingRows:
     """The rows `to_tensors` pads, unpadded, in its order (what adapters build one row at a
-    time from: AReaL's [1, L] interaction tensors, slime's samples)."""
+    time from: AReaL's [1, L] interaction tensors, slime's samples).
+
+    An extra sample's row gets the call's reward after the discount, as the call's own row;
+    with `sample_rewards` (a trainer-side `score_fn` scored each sample) its own reward
+    plus the discounted return of the turns after the call: `r_s + turn_discount * r_{i+1}`.
+    """
     if style not in ("individual", "concat"):
         raise ValueError(f"style must be 'individual' or 'concat', not {style!r}")
     interactions = [
@@ -152,7 +158,8 @@ def training_rows(
         rows = [_single_row(i, tokens[i.index], rewards[i.index]) for i in usable]
     else:
         rows = _concat_rows(usable, tokens, rewards)
-    rows += _sample_rows(usable, tokens, rewards, skipped)
+    following = _following(interactions, rewards, turn_discount) if sample_rewards else None
+    rows += _sample_rows(usable, tokens, rewards, skipped, following)
     rows.sort(key=lambda row: (row.sample_group, row.sample_index))
     return TrainingRows(rows=tuple(rows), skipped=tuple(skipped), dropped_orphans=tuple(dropped))
 
@@ -162,8 +169,11 @@ def _sample_rows(
     tokens: dict[int, _Tokens],
     rewards: dict[int, float],
     skipped: list[str],
+    following: dict[int, float] | None = None,
 ) -> list[TrainingRow]:
-    """Group sampling: each extra sample of a call is its own row on the call's prompt."""
+    """Group sampling: each extra sample of a call is its own row on the call's prompt;
+    `following` (per interaction, the discounted return after it): samples have their own
+    rewards."""
     rows = []
     for interaction in usable:
         for sample in interaction.samples:
@@ -171,7 +181,10 @@ def _sample_rows(
             if not sample_tokens.usable:
                 skipped.append(f"{interaction.interaction_id}#{sample.sample_index}")
                 continue
-            row = _single_row(interaction, sample_tokens, rewards[interaction.index])
+            reward = rewards[interaction.index]
+            if following is not None:
+                reward = sample.reward + following[interaction.index]
+            row = _single_row(interaction, sample_tokens, reward)
             rows.append(
                 dataclasses.replace(
                     row, original_reward=sample.reward, sample_index=sample.sample_index
@@ -189,6 +202,18 @@ def discounted_rewards(
     for interaction in reversed(interactions):
         following = interaction.reward + turn_discount * following
         out[interaction.index] = following
+    return out
+
+
+def _following(
+    interactions: Sequence[Interaction], rewards: dict[int, float], turn_discount: float
+) -> dict[int, float]:
+    """Per interaction: `turn_discount` times the discounted return of the next one (0 last)."""
+    out: dict[int, float] = {}
+    after = 0.0
+    for interaction in reversed(interactions):
+        out[interaction.index] = turn_discount * after
+        after = rewards[interaction.index]
     return out
 
 
