@@ -41,8 +41,11 @@ RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 # How long `LiveSource.start` waits for the Trainer service to open the stream.
 JOIN_TIMEOUT_S = 30.0
-# How many handed-out trajectory ids a source remembers to never hand one out twice.
-HANDED_LIMIT = 1_000_000
+# How many handed-out trajectory ids a source remembers to never hand one out twice (about
+# 100 bytes each: ~10 MB). A copy arrives soon after the original (a retried publication, a
+# redelivery on reconnect), so the most recent ids are the ones that matter; the oldest are
+# forgotten (docs/training.md, *Delivery*).
+HANDED_LIMIT = 100_000
 # Errors that retrying cannot fix: the caller is told instead.
 _FATAL = frozenset(
     {
@@ -107,6 +110,8 @@ class LiveOptions:
     dump: str | None = None
     # A new consumer group starts at the beginning of the stream instead of now.
     include_history: bool = False
+    # How many handed-out trajectory ids to remember (the oldest are forgotten).
+    handed_limit: int = HANDED_LIMIT
 
 
 class LiveSource:
@@ -118,7 +123,7 @@ class LiveSource:
         self._grouped = options.episode_group_size > 1
         self._ready: deque[Unit] = deque()
         self._waiters: deque[asyncio.Future[Unit | None]] = deque()
-        self._handed: OrderedDict[str, None] = OrderedDict()
+        self._handed = RecentIds(options.handed_limit)
         # Group id → members received so far (grouped mode).
         self._partial: OrderedDict[str, list[Episode]] = OrderedDict()
         self._partial_since: dict[str, float] = {}
@@ -200,9 +205,14 @@ class LiveSource:
     def give_back(self, unit: Unit) -> None:
         """Back at the front of the queue, for the next call."""
         for episode in unit:
-            self._handed.pop(episode.trajectory.trajectory_id, None)
+            self._handed.forget(episode.trajectory.trajectory_id)
         self._ready.appendleft(unit)
         self._dispatch()
+
+    @property
+    def remembered(self) -> int:
+        """How many handed-out trajectory ids the source remembers (at most the limit)."""
+        return len(self._handed)
 
     async def aclose(self) -> None:
         """Stops reading, acks what was taken (best effort), closes the client."""
@@ -237,13 +247,8 @@ class LiveSource:
                 continue
             unit = self._ready.popleft()
             for episode in unit:
-                self._remember(episode.trajectory.trajectory_id)
+                self._handed.add(episode.trajectory.trajectory_id)
             waiter.set_result(unit)
-
-    def _remember(self, trajectory_id: str) -> None:
-        self._handed[trajectory_id] = None
-        if len(self._handed) > HANDED_LIMIT:
-            self._handed.popitem(last=False)
 
     def _receive(self, item: PulledTrajectory) -> None:
         episode = Episode(
@@ -361,16 +366,49 @@ class LiveSource:
             raise self._failure
 
 
+class RecentIds:
+    """The last `limit` trajectory ids handed out, oldest forgotten first."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"handed_limit must be at least 1, not {limit}")
+        self._limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, trajectory_id: str) -> None:
+        """Remembers the id (as the most recent); forgets the oldest past the limit."""
+        self._ids[trajectory_id] = None
+        self._ids.move_to_end(trajectory_id)
+        while len(self._ids) > self._limit:
+            self._ids.popitem(last=False)
+
+    def forget(self, trajectory_id: str) -> None:
+        """The id was given back: it may be handed out again."""
+        self._ids.pop(trajectory_id, None)
+
+    def __contains__(self, trajectory_id: object) -> bool:
+        return trajectory_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class FileSource:
     """Episodes replayed from a `rollgate trajectories export` file (JSON Lines), in order."""
 
-    def __init__(self, path: str | os.PathLike[str], *, episode_group_size: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        episode_group_size: int = 1,
+        handed_limit: int = HANDED_LIMIT,
+    ) -> None:
         self._path = Path(path)
         self._grouped = episode_group_size > 1
         self._lines: Iterator[Episode] | None = None
         self._ready: deque[Unit] = deque()
         self._partial: OrderedDict[str, list[Episode]] = OrderedDict()
-        self._handed: set[str] = set()
+        self._handed = RecentIds(handed_limit)
         self._lock = asyncio.Lock()
         self.duplicates_dropped = 0
         self.taken_count = 0
@@ -385,7 +423,8 @@ class FileSource:
                     if not self._ready:
                         raise ReplayFinished(f"{self._path}: every episode was replayed")
             unit = self._ready.popleft()
-            self._handed.update(episode.trajectory.trajectory_id for episode in unit)
+            for episode in unit:
+                self._handed.add(episode.trajectory.trajectory_id)
             return unit
 
     def taken(self, unit: Unit) -> None:
@@ -395,8 +434,13 @@ class FileSource:
     def give_back(self, unit: Unit) -> None:
         """Replayed again first."""
         for episode in unit:
-            self._handed.discard(episode.trajectory.trajectory_id)
+            self._handed.forget(episode.trajectory.trajectory_id)
         self._ready.appendleft(unit)
+
+    @property
+    def remembered(self) -> int:
+        """How many handed-out trajectory ids the source remembers (at most the limit)."""
+        return len(self._handed)
 
     async def aclose(self) -> None:
         """Nothing to close: the file is read line by line and closed at its end."""

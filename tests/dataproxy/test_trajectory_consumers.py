@@ -250,3 +250,57 @@ async def test_a_second_pull_before_acking_brings_max_count_new_trajectories(
     assert [item.trajectory.trajectory_id for item in first] == ["t0", "t1"]
     assert [item.trajectory.trajectory_id for item in second] == ["t2", "t3"]
     assert [item.trajectory.trajectory_id for item in third] == ["t4"]
+
+
+async def test_an_adapters_memory_of_handed_out_ids_is_bounded_and_still_drops_recent_copies(
+    trainer: Trainer,
+) -> None:
+    from rollgate.episodes import LiveOptions, LiveSource
+
+    async with trainer.client() as tc:
+        options = LiveOptions(group="bounded", consumer="c0", handed_limit=3)
+        source = await LiveSource(tc, options).start()
+        try:
+            for n in range(8):
+                await trainer.publish(f"t{n}")
+                async with asyncio.timeout(10):
+                    unit = await source.take()
+                assert unit is not None
+                source.taken(unit)
+                assert source.remembered <= 3  # never grows past the limit
+            # The same episode published again (a retried publication): still recent, dropped.
+            await trainer.publish("t7")
+            await trainer.publish("t8")
+            async with asyncio.timeout(10):
+                unit = await source.take()
+            # (The client drops that copy first, by its own bounded memory; the source would.)
+            assert unit is not None and unit[0].trajectory.trajectory_id == "t8"
+            assert source.remembered == 3
+            assert "t7" in source._handed and "t4" not in source._handed
+        finally:
+            await source.aclose()
+
+
+async def test_a_replayed_files_memory_of_ids_is_bounded_too(tmp_path: Path) -> None:
+    import json
+
+    from rollgate.episodes import FileSource
+
+    def line(trajectory_id: str) -> str:
+        return json.dumps({"stream_id": "1-0", "schema_version": 2, "trajectory_id": trajectory_id})
+
+    # A file joined from two overlapping exports: t3 twice, close together.
+    ids = ["t0", "t1", "t2", "t3", "t3", "t4", "t5"]
+    path = tmp_path / "joined.jsonl"
+    path.write_text("".join(line(t) + "\n" for t in ids))
+    source = FileSource(path, handed_limit=2)
+    got = []
+    while True:
+        try:
+            unit = await source.take()
+        except EOFError:
+            break
+        got.append(unit[0].trajectory.trajectory_id)
+        assert source.remembered <= 2
+    assert got == ["t0", "t1", "t2", "t3", "t4", "t5"]
+    assert source.duplicates_dropped == 1
