@@ -285,6 +285,11 @@ class TrainerControl:
         """Releases the turns waiting since `pause_submission`."""
         self._call(self._stub.ResumeSubmission, trainer_pb2.ResumeSubmissionRequest())
 
+    def grant_capacity(self, episodes: int) -> int:
+        """Lets `episodes` more episodes start; the capacity now (-1: unlimited)."""
+        request = trainer_pb2.GrantCapacityRequest(episodes=episodes)
+        return int(self._call(self._stub.GrantCapacity, request).capacity)
+
     def _call(self, method: Any, request: Any, *, timeout_s: float | None = None) -> Any:
         try:
             return method(request, metadata=self._metadata, timeout=timeout_s or self._timeout_s)

@@ -12,6 +12,11 @@ call, its result, an answer, a reward) run that many episodes through the gatewa
 row AReaL would train on; pads the batch (with AReaL's own concat_padded_tensors when areal is
 installed); then does PPOTrainer's weight update through the hook: pause, set_version, resume.
 `--replay FILE` reads an export (or `--dump` file) instead of the live stream.
+
+It shares a stack with examples/slime/demo.py (run one after the other): its own consumer group
+(`--group`, default `areal-demo`) and task ids; its first weight update may set a version lower
+than the one a slime run left (a WeightSync's first set_version may go back, as a restarted
+AReaL's does).
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ def wf_gateway(args: argparse.Namespace) -> str:
 async def run(args: argparse.Namespace) -> int:
     wf = RollgateWorkflow(
         trainer_address=args.trainer_addr,
+        group=args.group,
         replay=args.replay,
         dump=args.dump,
         check_staleness=not args.replay,
@@ -160,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--admin-key", default=None, help="default: $ROLLGATE_ADMIN_KEY")
     parser.add_argument("--replay", default=None, help="an export file to train on instead")
     parser.add_argument("--dump", default=None, help="append what was trained on to this file")
+    parser.add_argument("--group", default="areal-demo", help="the consumer group")
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args(argv)
     return asyncio.run(run(args))

@@ -11,7 +11,12 @@ Plays slime's part without GPUs: for each rollout id it calls
 (examples/agent_traffic.py: a tool call, its result, an answer, a reward) run `--episodes`
 episodes through the gateway. Each episode has two calls, so a batch is 2 x episodes groups of
 n samples. Prints every group and the rollout metrics. `--replay FILE` reads an export (or a
-`--dump` file) instead of the live stream.
+`--dump` file) instead of the live stream, until the file ends.
+
+It shares a stack with examples/areal/demo.py (run one after the other): its own consumer group
+(`slime-demo`) and task ids; when a grant-based trainer (AReaL) made the stack's capacity
+limited, it grants what its own agents need (slime itself does not grant); and as its training
+ends it resumes submission, which each rollout paused for slime's weight sync.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agent_traffic
 
+from rollgate.adapter_settings import resolve
+from rollgate.episodes import ReplayFinished
 from rollgate.slime_rollout import close_rollouts, generate_rollout
+from rollgate.trainer_client import TrainerControl, TrainerError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if not options.admin_key and not options.replay:
         parser.error("no admin key: pass --admin-key or set ROLLGATE_ADMIN_KEY")
+    if options.replay and not Path(options.replay).is_file():
+        parser.error(f"--replay {options.replay}: no such file")
     gateway = options.gateway or agent_traffic._stack_state().get("gateway_url") or ""
     per_episode = 2 if options.group_by == "call" else 1
     # What slime's argparse gives the rollout function (plus rollgate_* settings).
@@ -57,12 +67,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         rollgate_dump=options.dump,
         rollgate_wait_timeout_s=120.0,
     )
+    control = None
+    if not options.replay:
+        address = resolve(default_group="slime-demo", admin_key=options.admin_key).trainer_address
+        control = TrainerControl(address, options.admin_key)
     try:
         for rollout_id in range(
             options.first_rollout_id, options.first_rollout_id + options.rollouts
         ):
             agents = None
-            if not options.replay:
+            if control is not None:
+                grant_if_limited(control, options.episodes)
                 agents = threading.Thread(
                     target=agent_traffic.run_episodes,
                     args=(gateway, options.admin_key),
@@ -85,12 +100,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             metrics = ", ".join(f"{k.split('/', 1)[1]}={v:g}" for k, v in output.metrics.items())
             print(f"  metrics: {metrics}", flush=True)
-    except TimeoutError as err:
+    except ReplayFinished as end:
+        print(f"replay finished: {end}", flush=True)
+    except (TimeoutError, TrainerError) as err:
         print(f"slime demo: {err}", file=sys.stderr)
         return 1
     finally:
         close_rollouts()
+        if control is not None:
+            # Training is over: agents need not wait for a weight sync that never comes.
+            control.resume_submission()
+            control.close()
+            print("slime: training over, submission resumed", flush=True)
     return 0
+
+
+def grant_if_limited(control: TrainerControl, episodes: int) -> None:
+    """On a stack whose capacity a grant-based trainer (AReaL) limited, grants `episodes`."""
+    if control.stats().capacity >= 0:
+        capacity = control.grant_capacity(episodes)
+        print(f"slime demo: capacity is limited here: granted {episodes} ({capacity} now)")
 
 
 if __name__ == "__main__":

@@ -625,36 +625,6 @@ def _keys(prefix: str) -> Any:
     return RedisKeys(prefix=prefix + uuid.uuid4().hex[:6] + ":")
 
 
-async def test_the_areal_demo_runs_two_steps_against_the_stack(stack: Stack) -> None:
-    await drained(stack, "areal")  # the demo's consumer group (the workflow's default)
-    demo = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(ROOT / "examples" / "areal" / "demo.py"),
-        "--batch-size",
-        "2",
-        "--steps",
-        "2",
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "ROLLGATE_STATE_DIR": str(stack.state_dir),  # stack.json: Trainer and gateway
-            "ROLLGATE_ADMIN_KEY": stack.config.admin_key,
-        },
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(demo.communicate(), 300)
-    text = out.decode()
-    assert demo.returncode == 0, err.decode()
-    assert text.count("  episode traj-") == 4
-    # Two episodes x two calls x N_SAMPLES rows per step, padded to one batch.
-    assert text.count(f"trained on a padded batch of {2 * 2 * N_SAMPLES} x") == 2
-    assert text.count("#1 ") == 2 * 2 * 2  # every call's second sample is its own row
-    assert "areal: weights updated to version 1" in text
-    assert text.index("areal: rollout paused") < text.index("areal: rollout resumed")
-
-
 # -- AReaL builds a workflow object per task ------------------------------------------------
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import sys
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,6 @@ from rollgate.trainer_client import TrainerClient, TrainerError
 from rollgate.trajectory import trajectory_from_json
 from tests.end_to_end.adapters import (
     N_SAMPLES,
-    ROOT,
     drained,
     export,
     grouped_stack,
@@ -299,37 +296,6 @@ def _plain(groups: list[list[Any]]) -> list[list[dict[str, Any]]]:
 async def _stats(stack: Stack, check: Any) -> bool:
     async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
         return bool(check(await tc.stats()))
-
-
-async def test_the_slime_demo_runs_two_rollouts_against_the_stack(stack: Stack) -> None:
-    await drained(stack, "slime-demo")
-    demo = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(ROOT / "examples" / "slime" / "demo.py"),
-        "--rollouts",
-        "2",
-        "--episodes",
-        "2",
-        "--first-rollout-id",
-        "20",
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "ROLLGATE_STATE_DIR": str(stack.state_dir),
-            "ROLLGATE_ADMIN_KEY": stack.config.admin_key,
-        },
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(demo.communicate(), 300)
-    text = out.decode()
-    assert demo.returncode == 0, err.decode()
-    assert "rollout 20: 4 groups" in text and "rollout 21: 4 groups" in text
-    assert text.count(f": {N_SAMPLES} samples of ") == 8
-    assert "versions=['21']" in text  # rollout 21 trains from version 21
-    assert text.count("exact_token_ratio=1") == 2
-    assert await _stats(stack, lambda s: s.paused and s.weight_version == 21)
 
 
 async def test_slime_restarted_from_an_older_checkpoint_sets_the_older_version(
