@@ -38,7 +38,7 @@ from rollgate.episodes import (
     Unit,
 )
 from rollgate.scoring import ScoreFn, load_score_fn, scored
-from rollgate.tensors import Style
+from rollgate.tensors import AREAL_DTYPES, Style
 from rollgate.trainer_client import PauseResult, TrainerClient, TrainerControl, TrainerStats
 
 TensorKeys = Literal["areal1", "areal2"]
@@ -47,16 +47,7 @@ DEFAULT_GROUP = "areal"
 AREAL1_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "attention_mask", "rewards")
 AREAL2_KEYS = (*AREAL1_KEYS, "turn_ids", "original_rewards")
 # dtype per key, as AReaL's InteractionWithTokenLogpReward.to_tensor_dict makes them.
-DTYPES = {
-    "input_ids": "int64",
-    "loss_mask": "int64",
-    "logprobs": "float32",
-    "versions": "int64",
-    "attention_mask": "bool",
-    "rewards": "float32",
-    "turn_ids": "int32",
-    "original_rewards": "float32",
-}
+DTYPES = AREAL_DTYPES
 
 
 def _optional(module: str) -> ModuleType | None:

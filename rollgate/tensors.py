@@ -25,12 +25,13 @@ TENSOR_KEYS = (
     "rewards",
     "original_rewards",
 )
-# numpy dtypes per key (torch: `torch.from_numpy(a)` keeps them).
-_DTYPES = {
+# dtypes per key, AReaL's (InteractionWithTokenLogpReward.to_tensor_dict; torch:
+# `torch.from_numpy(a)` keeps them). The AReaL workflow builds its tensors with these too.
+AREAL_DTYPES = {
     "input_ids": "int64",
-    "loss_mask": "int32",
+    "loss_mask": "int64",
     "logprobs": "float32",
-    "versions": "int32",
+    "versions": "int64",
     "turn_ids": "int32",
     "attention_mask": "bool",
     "rewards": "float32",
@@ -397,5 +398,5 @@ def _numpy(columns: dict[str, Any], *, rows: int, width: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, values in columns.items():
         shape = (rows,) if key in ("rewards", "original_rewards") else (rows, width)
-        out[key] = np.asarray(values, dtype=_DTYPES[key]).reshape(shape)
+        out[key] = np.asarray(values, dtype=AREAL_DTYPES[key]).reshape(shape)
     return out

@@ -840,3 +840,184 @@ async def test_two_trainer_processes_with_default_names_never_get_each_others_ep
             if process is not None:
                 process.kill()
                 await process.wait()
+
+
+def expected_concat_rows(line: dict[str, Any], gamma: float) -> dict[str, dict[str, list[Any]]]:
+    """trainers.md's `concat` rows of an export line, key → values, in row order: the turns of
+    a chain whose prompt extends the previous turn's exact prompt + output ids joined into one
+    row (loss_mask 0 on the re-fed parts); each leaf call's other samples as their own rows."""
+    interactions = line["interactions"]
+    by_index = {i["index"]: i for i in interactions}
+    indices = [i["index"] for i in interactions]
+    rewards = dict(zip(indices, discounted(interactions, gamma), strict=True))
+
+    def extends(parent: dict[str, Any], child: dict[str, Any]) -> bool:
+        joined = parent["prompt_token_ids"] + parent["output_token_ids"]
+        exact = parent["exact_tokens"] and child["exact_tokens"]
+        return exact and child["prompt_token_ids"][: len(joined)] == joined
+
+    parent_of = {
+        i["index"]: i["parent"]
+        for i in interactions
+        if i["parent"] in by_index and extends(by_index[i["parent"]], i)
+    }
+    rows: dict[str, dict[str, list[Any]]] = {}
+    for leaf in interactions:
+        if leaf["index"] in parent_of.values():
+            continue  # a later turn extends it: its tokens are in that turn's row
+        chain = [leaf["index"]]
+        while chain[-1] in parent_of:
+            chain.append(parent_of[chain[-1]])
+        chain.reverse()
+        ids = leaf["prompt_token_ids"] + leaf["output_token_ids"]
+        row = {
+            "input_ids": ids,
+            "loss_mask": [0] * len(ids),
+            "logprobs": [0.0] * len(ids),
+            "versions": [-1] * len(ids),
+            "turn_ids": [-1] * len(ids),
+        }
+        for turn, index in enumerate(chain):
+            part = by_index[index]
+            start = len(part["prompt_token_ids"])
+            for offset in range(len(part["output_token_ids"])):
+                row["loss_mask"][start + offset] = 1
+                row["logprobs"][start + offset] = part["output_logprobs"][offset]
+                row["versions"][start + offset] = part["output_versions"][offset]
+                row["turn_ids"][start + offset] = turn
+        row["attention_mask"] = [True] * len(ids)
+        row["rewards"] = [rewards[leaf["index"]]]
+        row["original_rewards"] = [leaf["reward"]]
+        rows[leaf["interaction_id"]] = row
+        for sample in leaf["samples"]:
+            single = expected_row(leaf, sample, rewards[leaf["index"]])
+            n_prompt = len(leaf["prompt_token_ids"])
+            single["turn_ids"] = [-1] * n_prompt + [0] * len(sample["output_token_ids"])
+            single["original_rewards"] = [sample["reward"]]
+            rows[f"{leaf['interaction_id']}#{sample['sample_index']}"] = single
+    return rows
+
+
+async def test_concat_rows_join_each_chain_value_by_value(stack: Stack, tmp_path: Path) -> None:
+    wf = workflow(stack, "concat", style="concat", discount=0.5, tensor_keys="areal2")
+    try:
+        results = await episodes_from(wf, stack, 2, task_id="concat")
+    finally:
+        await wf.aclose()
+    lines = export(stack, tmp_path / "all.jsonl")
+    joined = 0
+    for result in results:
+        assert result is not None
+        first = next(iter(result.values()))
+        line = lines[first.rollgate.trajectory_id]
+        want = expected_concat_rows(line, gamma=0.5)
+        assert list(result) == list(want)  # row order: leaf calls, each with its samples
+        for key, item in result.items():
+            tensors = item.to_tensor_dict()
+            assert str(tensors["loss_mask"].dtype).endswith("int64")
+            assert str(tensors["turn_ids"].dtype).endswith("int32")
+            values = as_lists(tensors)
+            for name, expected in want[key].items():
+                if name in ("rewards", "original_rewards", "logprobs"):
+                    assert values[name] == pytest.approx(expected), (key, name)
+                else:
+                    assert values[name] == expected, (key, name)
+            assert item.reward == pytest.approx(want[key]["rewards"][0])
+            joined += max(values["turn_ids"]) >= 1
+    # The mock's template renders an assistant turn back as text whose ids never equal the
+    # ids it sampled (a tool call's arguments are not in its content, and "\n" + the answer's
+    # first word is one piece), so no chain forms here: every turn is its own row, as
+    # trainers.md's rule says. Chains are checked value by value in the next test.
+    assert joined == 0
+
+
+def _chain_line() -> dict[str, Any]:
+    """Three turns whose ids extend each other exactly (as a real chat template's do), the
+    last sampled twice and the middle one too, reward 1.0 on the last turn only."""
+
+    def turn(index: int, prompt: list[int], output: list[int], **extra: Any) -> dict[str, Any]:
+        return {
+            "interaction_id": f"k-{index}",
+            "index": index,
+            "parent": index - 1 if index else None,
+            "messages": [{"role": "user", "content": f"turn {index}"}],
+            "output": {"role": "assistant", "content": f"answer {index}"},
+            "finish_reason": "stop",
+            "prompt_token_ids": prompt,
+            "output_token_ids": output,
+            "output_logprobs": [-0.1 * (index + 1) - 0.01 * k for k in range(len(output))],
+            "output_versions": [index + 3] * len(output),
+            "exact_tokens": True,
+            "reward": 0.0,
+            "samples": [],
+            **extra,
+        }
+
+    def sample(output: list[int]) -> dict[str, Any]:
+        return {
+            "sample_index": 1,
+            "output": {"role": "assistant", "content": "other"},
+            "finish_reason": "stop",
+            "output_token_ids": output,
+            "output_logprobs": [-2.0] * len(output),
+            "output_versions": [9] * len(output),
+            "exact_tokens": True,
+            "reward": 0.0,
+        }
+
+    first = turn(0, [1, 2], [10, 11])
+    # The tool result (30, 31) is re-fed after the first answer: loss 0 there.
+    second = turn(1, [1, 2, 10, 11, 30, 31], [12], samples=[sample([50])])
+    third = turn(
+        2,
+        [1, 2, 10, 11, 30, 31, 12, 40],
+        [13, 14],
+        reward=1.0,
+        reward_set=True,
+        samples=[sample([60, 61, 62])],
+    )
+    return {
+        "stream_id": "7-0",
+        "schema_version": 2,
+        "trajectory_id": "traj-chain",
+        "session_id": "t-9",
+        "task_id": "t",
+        "interactions": [first, second, third],
+    }
+
+
+async def test_concat_joins_an_exact_chain_into_one_row_value_by_value(tmp_path: Path) -> None:
+    import json
+
+    line = _chain_line()
+    path = tmp_path / "chain.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    wf = RollgateWorkflow(
+        replay=str(path),
+        admin_key="offline",
+        check_staleness=False,
+        style="concat",
+        discount=0.5,
+        tensor_keys="areal2",
+    )
+    result = await wf.arun_episode(None, {})
+    await wf.aclose()
+    assert result is not None
+    want = expected_concat_rows(line, gamma=0.5)
+    # One row for the chain (its leaf's key), one for the leaf's other sample; the middle
+    # call's group is left out whole (its own row is inside the chain's).
+    assert list(want) == ["k-2", "k-2#1"]
+    assert list(result) == list(want)
+    chain = as_lists(result["k-2"].to_tensor_dict())
+    assert chain["input_ids"] == [1, 2, 10, 11, 30, 31, 12, 40, 13, 14]
+    assert chain["loss_mask"] == [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert chain["turn_ids"] == [-1, -1, 0, 0, -1, -1, 1, -1, 2, 2]
+    assert chain["versions"] == [-1, -1, 3, 3, -1, -1, 4, -1, 5, 5]
+    assert chain["rewards"] == [1.0]  # the leaf's: gamma^0 * 1.0
+    for key, item in result.items():
+        values = as_lists(item.to_tensor_dict())
+        for name, expected in want[key].items():
+            if name in ("rewards", "original_rewards", "logprobs"):
+                assert values[name] == pytest.approx(expected), (key, name)
+            else:
+                assert values[name] == expected, (key, name)

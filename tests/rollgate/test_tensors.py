@@ -217,9 +217,18 @@ def test_numpy_arrays_have_a_batch_dimension_and_areal_dtypes() -> None:
     tensors = to_tensors(three_exact_turns(), as_numpy=True)
 
     assert tensors.input_ids.shape == (3, 8)
-    assert tensors.input_ids.dtype == np.int64
-    assert tensors.logprobs.dtype == np.float32
-    assert tensors.attention_mask.dtype == np.bool_
+    # AReaL's dtypes, as ../shared/reference/trainers.md lists them (to_tensor_dict's).
+    dtypes = {key: str(value.dtype) for key, value in tensors.as_dict().items()}
+    assert dtypes == {
+        "input_ids": "int64",
+        "loss_mask": "int64",
+        "logprobs": "float32",
+        "versions": "int64",
+        "turn_ids": "int32",
+        "attention_mask": "bool",
+        "rewards": "float32",
+        "original_rewards": "float32",
+    }
     assert tensors.rewards.shape == (3,)
     assert int(tensors.loss_mask.sum()) == 4
     assert tensors.attention_mask.sum(axis=1).tolist() == [3, 6, 8]
