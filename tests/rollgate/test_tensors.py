@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
-import numpy as np
 import orjson
 import pytest
 
