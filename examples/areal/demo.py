@@ -14,9 +14,10 @@ installed); then does PPOTrainer's weight update through the hook: pause, set_ve
 `--replay FILE` reads an export (or `--dump` file) instead of the live stream.
 
 It shares a stack with examples/slime/demo.py (run one after the other): its own consumer group
-(`--group`, default `areal-demo`) and task ids; its first weight update may set a version lower
-than the one a slime run left (a WeightSync's first set_version may go back, as a restarted
-AReaL's does).
+(`--group`, default `areal-demo`) and task ids; each run starts from now (what was published
+since its group's last run, e.g. the slime demo's episodes, is skipped: acked unread); its first
+weight update may set a version lower than the one a slime run left (a WeightSync's first
+set_version may go back, as a restarted AReaL's does).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rollgate.areal_workflow import (
     attach_weight_sync,
 )
 from rollgate.episodes import ReplayFinished
+from rollgate.trainer_client import TrainerClient
 
 
 class StandInRollout:
@@ -124,6 +126,16 @@ def wf_gateway(args: argparse.Namespace) -> str:
     )
 
 
+async def skip_to_now(address: str, admin_key: str, group: str) -> int:
+    """Acks, unread, what the group has not delivered yet (episodes published since its last
+    run): the demo is a new trainer each run. Returns how many it skipped."""
+    async with TrainerClient(address, admin_key) as tc:
+        skipped = [p.stream_id async for p in tc.pull(group, "demo-skip", idle_timeout_s=0.5)]
+        if skipped:
+            await tc.ack(group, skipped)
+    return len(skipped)
+
+
 async def run(args: argparse.Namespace) -> int:
     wf = RollgateWorkflow(
         trainer_address=args.trainer_addr,
@@ -139,6 +151,9 @@ async def run(args: argparse.Namespace) -> int:
         sync = WeightSync(wf.settings.trainer_address, wf.settings.admin_key)
         attach_weight_sync(rollout, sync)
         print(f"rollgate Trainer at {wf.settings.trainer_address}, group {wf.settings.group!r}")
+        skipped = await skip_to_now(wf.settings.trainer_address, wf.settings.admin_key, args.group)
+        if skipped:
+            print(f"skipped {skipped} episodes published since this group's last run")
     try:
         for number in range(1, args.steps + 1):
             try:

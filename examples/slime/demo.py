@@ -14,7 +14,8 @@ n samples. Prints every group and the rollout metrics. `--replay FILE` reads an 
 `--dump` file) instead of the live stream, until the file ends.
 
 It shares a stack with examples/areal/demo.py (run one after the other): its own consumer group
-(`slime-demo`) and task ids; when a grant-based trainer (AReaL) made the stack's capacity
+(`slime-demo`) and task ids; each run starts from now (what was published since its group's
+last run, e.g. the AReaL demo's episodes, is skipped: acked unread); when a grant-based trainer (AReaL) made the stack's capacity
 limited, it grants what its own agents need (slime itself does not grant); and as its training
 ends it resumes submission, which each rollout paused for slime's weight sync.
 """
@@ -22,6 +23,7 @@ ends it resumes submission, which each rollout paused for slime's weight sync.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import threading
@@ -36,7 +38,9 @@ import agent_traffic
 from rollgate.adapter_settings import resolve
 from rollgate.episodes import ReplayFinished
 from rollgate.slime_rollout import close_rollouts, generate_rollout
-from rollgate.trainer_client import TrainerControl, TrainerError
+from rollgate.trainer_client import TrainerClient, TrainerControl, TrainerError
+
+GROUP = "slime-demo"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rollout_batch_size=options.episodes * per_episode,
         reward_key="score",
         rollgate_admin_key=options.admin_key or "offline",
-        rollgate_group="slime-demo",
+        rollgate_group=GROUP,
         rollgate_group_by=options.group_by,
         rollgate_replay=options.replay,
         rollgate_dump=options.dump,
@@ -69,8 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     control = None
     if not options.replay:
-        address = resolve(default_group="slime-demo", admin_key=options.admin_key).trainer_address
+        address = resolve(default_group=GROUP, admin_key=options.admin_key).trainer_address
         control = TrainerControl(address, options.admin_key)
+        skipped = asyncio.run(skip_to_now(address, options.admin_key, GROUP))
+        if skipped:
+            print(f"skipped {skipped} episodes published since this group's last run")
     try:
         for rollout_id in range(
             options.first_rollout_id, options.first_rollout_id + options.rollouts
@@ -113,6 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             control.close()
             print("slime: training over, submission resumed", flush=True)
     return 0
+
+
+async def skip_to_now(address: str, admin_key: str, group: str) -> int:
+    """Acks, unread, what the group has not delivered yet (episodes published since its last
+    run): the demo is a new trainer each run. Returns how many it skipped."""
+    async with TrainerClient(address, admin_key) as tc:
+        skipped = [p.stream_id async for p in tc.pull(group, "demo-skip", idle_timeout_s=0.5)]
+        if skipped:
+            await tc.ack(group, skipped)
+    return len(skipped)
 
 
 def grant_if_limited(control: TrainerControl, episodes: int) -> None:

@@ -78,10 +78,12 @@ async def test_the_areal_and_slime_demos_run_one_after_the_other_on_one_stack(
         stats = await tc.stats()
     assert not stats.paused and stats.weight_version == 21
 
-    # AReaL again after slime: its own group (none of slime's episodes), its first version
-    # update goes back from slime's 21 to 1.
+    # AReaL again after slime: its group existed, so it would go on with slime's 4 episodes
+    # published since; the demo starts from now (skips them), and its first version update
+    # goes back from slime's 21 to 1.
     again = await run_demo(stack, "areal", "--batch-size", "2", "--steps", "2")
     check_areal_demo(again)
+    assert "skipped 4 episodes published since this group's last run" in again
     episodes = [line for line in again.splitlines() if line.startswith("  episode traj-")]
     assert len(episodes) == 4 and all("(demo-step-" in line for line in episodes)
     async with TrainerClient(stack.trainer_address, stack.config.admin_key) as tc:
