@@ -15,6 +15,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY schema ./schema
+COPY stackconfig ./stackconfig
+COPY chatml ./chatml
 COPY services ./services
 COPY rollgate ./rollgate
 RUN pip wheel --wheel-dir /wheels .

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.runtime.config import ConfigError, RollgateConfig, UpstreamConfig, check_upstream_key
+from stackconfig import ConfigError, RollgateConfig, UpstreamConfig, check_upstream_key
 
 if TYPE_CHECKING:
     from rollgate.stack import Stack
@@ -142,8 +142,8 @@ def check_upstream(
 
 def _generate_ids(upstream: UpstreamConfig, headers: Mapping[str, str], timeout_s: float) -> Check:
     """POSTs the prompt's input_ids to SGLang's /generate and checks the ids it returns."""
-    from services.worker.chat_template import render_chatml
-    from services.worker.tokenizer import LocalTokenizer
+    from chatml.template import render_chatml
+    from chatml.tokenizer import LocalTokenizer
 
     name = "token ids exact"
     url = upstream.base_url.removesuffix("/v1") + "/generate"

@@ -15,7 +15,7 @@ from types import FrameType
 
 from rollgate.stack import Stack, StackConfig, StackError, generate_admin_key
 from rollgate.supervisor import GaveUp
-from services.runtime.config import ConfigError, RollgateConfig, load_config
+from stackconfig import ConfigError, RollgateConfig, load_config
 
 # How often `up` looks for crashed services.
 SUPERVISE_INTERVAL_S = 0.25

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollgate.redis_server import RedisServer, free_port
 from rollgate.supervisor import RestartPolicy, Supervised, Supervisor
-from services.runtime.config import SERVICES, RollgateConfig, settings_env, worker_env
+from stackconfig import SERVICES, RollgateConfig, settings_env, worker_env
 
 GRPC_SERVICES = {
     "router": "rollgate.v1.Router",

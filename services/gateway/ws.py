@@ -47,7 +47,6 @@ from services.gateway.ws_protocol import (
     session_key,
 )
 from services.gateway.ws_runs import QUEUE_MODES, Message, RunResult, Runs
-from services.runtime.config import DEFAULT_MODEL_ALIAS
 from services.runtime.errors import (
     InvalidRequest,
     RollgateError,
@@ -58,6 +57,7 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import key_digest, looks_like_session_key
 from services.runtime.logs import get_logger
+from stackconfig import DEFAULT_MODEL_ALIAS
 
 log = get_logger(__name__)
 

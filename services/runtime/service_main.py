@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 
-from services.runtime.config import merged_environ
 from services.runtime.grpc_server import run, wait_for_stop_signal
 from services.runtime.logs import configure_logging, get_logger
 from services.runtime.secret import secrets_in
+from stackconfig import merged_environ
 
 log = get_logger(__name__)
 

@@ -8,8 +8,8 @@ import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from chatml.tokenizer import LocalTokenizer
 from protos import router_pb2_grpc, worker_pb2_grpc
-from services.runtime.config import DEFAULT_MODEL_ALIAS
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
@@ -21,9 +21,9 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.turns import TurnRunner
 from services.worker.upstream import RequestPolicy, UpstreamClient
+from stackconfig import DEFAULT_MODEL_ALIAS
 
 SERVICE_NAME = "rollgate.v1.Worker"
 

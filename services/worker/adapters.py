@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from chatml.tokenizer import LocalTokenizer
 from services.worker.openai_compat import OpenAICompatAdapter, Translator
 from services.worker.sglang import SglangChatAdapter, SglangGenerateAdapter
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import TurnAccumulator
 from services.worker.vllm import VllmAdapter
 

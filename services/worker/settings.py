@@ -6,11 +6,11 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.runtime.config import normalize_base_url as config_base_url
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str
 from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
+from stackconfig import normalize_base_url as config_base_url
 
 UPSTREAM_KINDS = ("openai", "vllm", "sglang")
 DEFAULT_KEY_VAR = "ROLLGATE_UPSTREAM_API_KEY"

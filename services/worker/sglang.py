@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 
 import orjson
 
+from chatml.template import parse_output, render_chatml
+from chatml.tokenizer import LocalTokenizer
 from services.runtime.errors import InvalidRequest
-from services.worker.chat_template import parse_output, render_chatml
 from services.worker.openai_compat import OpenAICompatAdapter, Translator
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import TurnAccumulator
 
 _THINK_OPEN, _THINK_CLOSE, _TOOL_OPEN = "<think>", "</think>", "<tool_call>"

@@ -12,11 +12,11 @@ from typing import Any
 
 import orjson
 
+from chatml.template import render_chatml
+from chatml.tokenizer import LocalTokenizer
 from services.runtime.errors import UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.adapters import UpstreamAdapter
-from services.worker.chat_template import render_chatml
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import (
     AnswerDelta,
     TurnAccumulator,

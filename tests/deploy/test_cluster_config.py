@@ -14,8 +14,8 @@ import pytest
 from services.dataproxy.settings import DataProxySettings
 from services.gateway.settings import GatewaySettings
 from services.router.settings import RouterSettings
-from services.runtime.config import load_config, merged_environ
 from services.worker.settings import WorkerSettings
+from stackconfig import load_config, merged_environ
 from tests.deploy.conftest import Manifest
 from tests.deploy.test_kubernetes import component, env_config, of_kind, rollgate_deployments
 

@@ -20,7 +20,7 @@ import pytest
 from rollgate.redis_server import free_port
 from rollgate.stack import Stack
 from rollgate.trajectory import Interaction
-from services.runtime.config import load_config
+from stackconfig import load_config
 from tests.harness.poll import eventually_sync
 from tests.harness.processes import published_interactions, stack_config
 

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from rollgate.redis_server import free_port
 from rollgate.stack import Stack
-from services.runtime.config import load_config
+from stackconfig import load_config
 from tests.engine.tiny_model import build
 from tests.harness.poll import eventually_sync
 from tests.harness.processes import log_level_env, stack_config

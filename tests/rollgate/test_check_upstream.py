@@ -6,7 +6,7 @@ import asyncio
 
 from rollgate.check_upstream import check_stack, check_upstream
 from rollgate.mock_llm import MockLLM
-from services.runtime.config import load_config
+from stackconfig import load_config
 
 
 def _config(base_url: str, kind: str, model: str = "rollgate-mock", key: bool = False) -> object:

@@ -10,7 +10,7 @@ import pytest
 
 from rollgate.check_upstream import Check, check_stack, check_upstream
 from rollgate.mock_llm import MockLLM
-from services.runtime.config import RollgateConfig, load_config
+from stackconfig import RollgateConfig, load_config
 from tests.worker.tokenizer_file import build_tokenizer, decode_fn
 
 

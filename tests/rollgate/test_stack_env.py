@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rollgate.stack import Stack, StackConfig
-from services.runtime.config import load_config, settings_env
+from stackconfig import load_config, settings_env
 
 LIFECYCLE_YAML = """
 dataproxy:

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from chatml.tokenizer import LocalTokenizer
 from protos import worker_pb2_grpc
 from rollgate.mock_llm import MockLLM
 from services.runtime.grpc_client import open_channel
@@ -17,7 +18,6 @@ from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.secret import Secret
 from services.worker.adapters import adapter_for
 from services.worker.servicer import WorkerServicer
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.turns import TurnRunner
 from services.worker.upstream import RequestPolicy, UpstreamClient
 

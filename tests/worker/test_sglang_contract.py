@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
+from chatml.tokenizer import LocalTokenizer
 from rollgate.mock_llm import USAGE_CHOICES, MockLLM
 from services.worker.adapters import adapter_for
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.turn import ClientAsk, TurnAccumulator, TurnTiming, client_chunk
 from tests.worker.harness import running_worker
 from tests.worker.test_worker_grpc import generate

@@ -12,11 +12,11 @@ import orjson
 import pytest
 from tokenizers import Tokenizer
 
+from chatml.template import render_chatml
+from chatml.tokenizer import LocalTokenizer
 from protos import worker_pb2
 from rollgate.mock_llm import MockLLM, token_id, tokenize
 from services.runtime.errors import UpstreamError, from_rpc_error
-from services.worker.chat_template import render_chatml
-from services.worker.tokenizer import LocalTokenizer
 from services.worker.upstream import RequestPolicy
 from tests.worker.harness import running_worker, unpacked
 from tests.worker.test_worker_grpc import generate

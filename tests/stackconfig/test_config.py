@@ -9,8 +9,8 @@ import pytest
 
 from services.gateway.settings import GatewaySettings
 from services.router.settings import RouterSettings
-from services.runtime.config import ConfigError, load_config, normalize_base_url, settings_env
 from services.worker.settings import WorkerSettings
+from stackconfig import ConfigError, load_config, normalize_base_url, settings_env
 
 ENV = {"TAOTOKEN_API_KEY": "sk-tao-secret", "RG_ADMIN": "admin-secret", "HOST": "gpu1"}
 

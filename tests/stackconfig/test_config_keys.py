@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollgate import cli
-from services.runtime.config import ConfigError, load_config, merged_environ
+from stackconfig import ConfigError, load_config, merged_environ
 
 TWO = """
 admin_key: ${RG_ADMIN}
