@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stackconfig import ConfigError, RollgateConfig, UpstreamConfig, check_upstream_key
+from stackconfig import (
+    ConfigError,
+    RollgateConfig,
+    UpstreamConfig,
+    check_upstream_key,
+    upstream_kind,
+)
 
 if TYPE_CHECKING:
     from rollgate.stack import Stack
@@ -94,8 +100,7 @@ def check_upstream(
     headers = _headers(upstream, environ)
     body: dict[str, Any] = {"model": model, "messages": _PROMPT, "max_tokens": _MAX_TOKENS}
     body["logprobs"] = True
-    if upstream.kind == "vllm":
-        body["return_token_ids"] = True
+    body.update(upstream_kind(upstream.kind).ids_request)
     url = upstream.base_url + "/chat/completions"
     try:
         status, answer = _post(url, body, headers, timeout_s)

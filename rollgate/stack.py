@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollgate.redis_server import RedisServer, free_port
 from rollgate.supervisor import RestartPolicy, Supervised, Supervisor
-from stackconfig import SERVICES, RollgateConfig, settings_env, worker_env
+from stackconfig import DEFAULT_KIND, SERVICES, RollgateConfig, settings_env, worker_env
 
 GRPC_SERVICES = {
     "router": "rollgate.v1.Router",
@@ -234,7 +234,8 @@ class Stack:
         upstream = {
             "ROLLGATE_ROUTER_ADDR": router_addr,
             "ROLLGATE_UPSTREAM_BASE_URL": cfg.upstream_base_url or self.mock_url or "",
-            "ROLLGATE_UPSTREAM_KIND": cfg.upstream_kind or ("vllm" if self.mock_url else "openai"),
+            "ROLLGATE_UPSTREAM_KIND": cfg.upstream_kind
+            or ("vllm" if self.mock_url else DEFAULT_KIND),
         }
         if cfg.upstream_api_key:
             upstream["ROLLGATE_UPSTREAM_API_KEY"] = cfg.upstream_api_key

@@ -4,8 +4,6 @@ the `rollgate` CLI and by every service. Pure: imports nothing of ours (STYLE.md
 from stackconfig.file import (
     DEFAULT_MODEL_ALIAS,
     SERVICES,
-    SGLANG_PATHS,
-    UPSTREAM_KINDS,
     ConfigError,
     DataProxyConfig,
     GatewayConfig,
@@ -24,9 +22,20 @@ from stackconfig.file import (
     settings_env,
     worker_env,
 )
+from stackconfig.kinds import (
+    DEFAULT_KIND,
+    KINDS,
+    SGLANG_PATHS,
+    UPSTREAM_KINDS,
+    UpstreamKind,
+    kinds_help,
+    upstream_kind,
+)
 
 __all__ = [
+    "DEFAULT_KIND",
     "DEFAULT_MODEL_ALIAS",
+    "KINDS",
     "SERVICES",
     "SGLANG_PATHS",
     "UPSTREAM_KINDS",
@@ -38,13 +47,16 @@ __all__ = [
     "RouterConfig",
     "SamplingConfig",
     "UpstreamConfig",
+    "UpstreamKind",
     "apply_override",
     "check_upstream_key",
     "expand_vars",
     "is_areal",
+    "kinds_help",
     "load_config",
     "merged_environ",
     "normalize_base_url",
     "settings_env",
+    "upstream_kind",
     "worker_env",
 ]

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-UPSTREAM_KINDS = ("vllm", "sglang", "openai")
+from stackconfig.kinds import DEFAULT_KIND, SGLANG_PATHS, UPSTREAM_KINDS, kinds_help
+
 # The model name clients may send for "whatever this stack serves by default" (AReaL's scripts).
 DEFAULT_MODEL_ALIAS = "default"
-SGLANG_PATHS = ("chat", "generate")
 SERVICES = ("gateway", "router", "dataproxy", "worker")
 _VAR_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _WHOLE_VAR_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -37,7 +37,7 @@ class UpstreamConfig:
     """One upstream LLM endpoint and the workers bound to it."""
 
     name: str
-    kind: str = "openai"
+    kind: str = DEFAULT_KIND
     # Always ends in /v1.
     base_url: str
     # The *name* of the environment variable holding the key ("" when the upstream needs none).
@@ -338,12 +338,10 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
 
 def _upstream(reader: _Reader, index: int) -> UpstreamConfig:
     where = reader.where
-    kind = reader.string("kind", "openai").lower()
+    kind = reader.string("kind", DEFAULT_KIND).lower()
     if kind not in UPSTREAM_KINDS:
         raise ConfigError(
-            f"{where('kind')}={kind!r} is not one of {', '.join(UPSTREAM_KINDS)} "
-            "(vllm: exact ids via return_token_ids; sglang: SGLang; openai: any "
-            "OpenAI-compatible API)"
+            f"{where('kind')}={kind!r} is not one of {', '.join(UPSTREAM_KINDS)} ({kinds_help()})"
         )
     raw_base = reader.string("base_url")
     if not raw_base:
@@ -609,7 +607,7 @@ def _from_areal(raw: dict[str, Any], environ: Mapping[str, str]) -> RollgateConf
     base_url = rollout_reader.string("base_url")
     if base_url:
         model = _Reader(raw.get("actor"), "actor").string("path")
-        kind = rollout_reader.string("kind", "sglang" if "sglang" in raw else "openai").lower()
+        kind = rollout_reader.string("kind", "sglang" if "sglang" in raw else DEFAULT_KIND).lower()
         if kind not in UPSTREAM_KINDS:
             raise ConfigError(f"rollout.kind={kind!r} is not one of {', '.join(UPSTREAM_KINDS)}")
         upstreams = (

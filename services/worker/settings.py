@@ -10,9 +10,9 @@ from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_e
 from services.runtime.secret import NO_SECRET, Secret
 from services.runtime.settings import env_bool, env_float, env_int, env_str
 from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
+from stackconfig import DEFAULT_KIND, SGLANG_PATHS, UPSTREAM_KINDS
 from stackconfig import normalize_base_url as config_base_url
 
-UPSTREAM_KINDS = ("openai", "vllm", "sglang")
 DEFAULT_KEY_VAR = "ROLLGATE_UPSTREAM_API_KEY"
 
 
@@ -84,7 +84,7 @@ class WorkerSettings:
     upstream_api_key: Secret = NO_SECRET
     # The environment variable the key came from: named in "check <VAR>" error messages.
     upstream_api_key_var: str = DEFAULT_KEY_VAR
-    upstream_kind: str = "openai"
+    upstream_kind: str = DEFAULT_KIND
     # The upstream's name in the configuration (logs only).
     upstream_name: str = ""
     # (alias, served id): registered with the router as models, rewritten before forwarding.
@@ -129,7 +129,7 @@ class WorkerSettings:
                 "ROLLGATE_UPSTREAM_BASE_URL is not set: the worker needs the upstream LLM's "
                 "OpenAI base URL (e.g. http://127.0.0.1:8000/v1; `rollgate up` sets it)"
             )
-        kind = env_str(environ, "ROLLGATE_UPSTREAM_KIND", "openai").lower()
+        kind = env_str(environ, "ROLLGATE_UPSTREAM_KIND", DEFAULT_KIND).lower()
         if kind not in UPSTREAM_KINDS:
             raise ValueError(
                 f"ROLLGATE_UPSTREAM_KIND={kind!r} is not one of {', '.join(UPSTREAM_KINDS)}"
@@ -140,7 +140,7 @@ class WorkerSettings:
         log_json_raw = env_str(environ, "ROLLGATE_LOG_JSON", "auto").lower()
         key_var, key = _api_key(environ)
         sglang_path = env_str(environ, "ROLLGATE_SGLANG_PATH", "chat").lower()
-        if sglang_path not in ("chat", "generate"):
+        if sglang_path not in SGLANG_PATHS:
             raise ValueError(f"ROLLGATE_SGLANG_PATH={sglang_path!r} is not `chat` or `generate`")
         tokenizer = env_str(environ, "ROLLGATE_UPSTREAM_TOKENIZER", "")
         if kind == "sglang" and sglang_path == "generate" and not tokenizer:
