@@ -23,13 +23,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollgate.redis_server import RedisServer, free_port
 from rollgate.supervisor import RestartPolicy, Supervised, Supervisor
-from stackconfig import DEFAULT_KIND, SERVICES, RollgateConfig, settings_env, worker_env
+from stackconfig import DEFAULT_KIND, SERVICES, RollgateConfig
 
 GRPC_SERVICES = {
     "router": "rollgate.v1.Router",
     "dataproxy": "rollgate.v1.DataProxy",
     "worker": "rollgate.v1.Worker",
 }
+
+
+# Settings the stack wires itself (its own Redis, addresses and admin key): a dotted override
+# of one of them is for `rollgate up`, not passed on to the services.
+_WIRED = frozenset(
+    {"redis.url", "redis.prefix", "router.address", "dataproxy.address", "admin_key"}
+)
+# The variables that name a worker's upstream when there is no configuration file.
+_UPSTREAM_VARS = ("ROLLGATE_UPSTREAM_", "ROLLGATE_SGLANG_PATH")
 
 
 class StackError(RuntimeError):
@@ -64,6 +73,15 @@ class StackConfig:
     start_timeout_s: float = 60.0
     # A loaded rollgate YAML: one group of workers per upstream, and each service's settings.
     file: RollgateConfig | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerGroup:
+    """The workers of one upstream: the environment the stack gives them, and the
+    configured upstream they serve (None: the one the environment names)."""
+
+    env: Mapping[str, str]
+    upstream: str | None = None
 
 
 @dataclass(slots=True)
@@ -184,11 +202,17 @@ class Stack:
         """host:port of the Trainer gRPC service (served by the dataproxy)."""
         return self.services["dataproxy"].address
 
-    def _env(self, file_env: Mapping[str, str], **extra: str) -> dict[str, str]:
-        """A service's environment: the file's settings, under the user's environment, under
-        what the stack wires itself (addresses, Redis, keys, ids)."""
-        env = dict(file_env)
-        env.update((k, v) for k, v in os.environ.items() if k not in self._upstream_key_vars())
+    def _env(self, *, worker_of_file: bool = False, **extra: str) -> dict[str, str]:
+        """A service's environment: the user's, under what the stack wires itself (addresses,
+        Redis, keys, ids). The configuration file is not in it: services read it themselves
+        (`--config`, see `_config_args`)."""
+        hidden = self._upstream_key_vars()
+        env = self._file_key_vars()
+        env.update((k, v) for k, v in os.environ.items() if k not in hidden)
+        if worker_of_file:
+            # The file names each worker's upstream: a ROLLGATE_UPSTREAM_* left in the shell
+            # (the no-file way of naming one) must not redirect every upstream's workers.
+            env = {k: v for k, v in env.items() if not k.startswith(_UPSTREAM_VARS)}
         env.update(self.config.extra_env)
         env.update(
             ROLLGATE_REDIS_URL=self.redis_url,
@@ -200,6 +224,16 @@ class Stack:
         env.update(extra)
         return env
 
+    def _file_key_vars(self) -> dict[str, str]:
+        """The file's `admin_key: ${VAR}` / `trainer_key: ${VAR}` as they were resolved when
+        it was read: each service reads the file again and resolves them too."""
+        file = self.config.file
+        if file is None:
+            return {}
+        pairs = ((file.admin_key_var, file.admin_key),
+                 (file.dataproxy.trainer_key_var, file.dataproxy.trainer_key))  # fmt: skip
+        return {var: value for var, value in pairs if var and value}
+
     def _upstream_key_vars(self) -> set[str]:
         """Variables holding upstream keys: only the worker bound to that upstream gets one."""
         names = {"ROLLGATE_UPSTREAM_API_KEY"}
@@ -207,29 +241,40 @@ class Stack:
             names.update(u.api_key_var for u in self.config.file.upstreams if u.api_key_var)
         return names
 
-    def _service_env(self, service: str) -> dict[str, str]:
-        """The configuration file's variables for a service (addresses are the stack's own)."""
-        if self.config.file is None or service not in SERVICES:
-            return {}
-        env = settings_env(self.config.file, service, upstream=None) if service != "worker" else {}
-        for name in ("ROLLGATE_ROUTER_ADDR", "ROLLGATE_DATAPROXY_ADDR", "ROLLGATE_REDIS_URL"):
-            env.pop(name, None)
-        return env
+    def _config_args(self, kind: str, upstream: str | None = None) -> list[str]:
+        """`--config FILE [overrides]` (and a worker's `--upstream NAME`): the same file and
+        overrides `rollgate up` read, minus the overrides of what the stack wires itself.
+        Nothing for the mock LLM, nor for workers of an upstream the file does not list (the
+        mock's, or one named by ROLLGATE_UPSTREAM_*)."""
+        file = self.config.file
+        if file is None or kind not in SERVICES or (kind == "worker" and upstream is None):
+            return []
+        path = file.path
+        if not path:
+            # Loaded from text (tests, check-upstream): the same text, for the services.
+            written = self.state_dir / "rollgate.yaml"
+            written.parent.mkdir(parents=True, exist_ok=True)
+            written.write_text(file.text)
+            path = str(written)
+        kept = [o for o in file.overrides if o.partition("=")[0].strip() not in _WIRED]
+        args = ["--config", path, *kept]
+        return [*args, "--upstream", upstream] if upstream is not None else args
 
-    def _worker_groups(self, router_addr: str) -> dict[str, dict[str, str]]:
-        """Worker name → its environment: one group per configured upstream, else the default."""
+    def _worker_groups(self, router_addr: str) -> dict[str, WorkerGroup]:
+        """Worker name → what it serves: one group per configured upstream, else the default."""
         cfg = self.config
         if cfg.file is not None and cfg.file.upstreams:
-            groups: dict[str, dict[str, str]] = {}
+            groups: dict[str, WorkerGroup] = {}
             for configured in cfg.file.upstreams:
-                env = worker_env(cfg.file, configured)
-                env["ROLLGATE_ROUTER_ADDR"] = router_addr
+                env = {"ROLLGATE_ROUTER_ADDR": router_addr}
                 # Only this upstream's key variable reaches its workers (see _upstream_key_vars).
                 var = configured.api_key_var
                 if var and var in os.environ:
                     env[var] = os.environ[var]
                 for i in range(configured.workers):
-                    groups[f"worker-{configured.name}-{i + 1}"] = env
+                    groups[f"worker-{configured.name}-{i + 1}"] = WorkerGroup(
+                        env=env, upstream=configured.name
+                    )
             return groups
         upstream = {
             "ROLLGATE_ROUTER_ADDR": router_addr,
@@ -241,9 +286,12 @@ class Stack:
             upstream["ROLLGATE_UPSTREAM_API_KEY"] = cfg.upstream_api_key
         if cfg.upstream_models:
             upstream["ROLLGATE_UPSTREAM_MODELS"] = cfg.upstream_models
-        return {f"worker-{i + 1}": upstream for i in range(cfg.workers)}
+        return {f"worker-{i + 1}": WorkerGroup(env=upstream) for i in range(cfg.workers)}
 
-    def _add(self, name: str, kind: str, module: list[str], port: int, **env: str) -> None:
+    def _add(
+        self, name: str, kind: str, module: list[str], port: int, *,
+        upstream: str | None = None, **env: str,
+    ) -> None:  # fmt: skip
         address = f"{self.config.host}:{port}"
         metrics_address = ""
         if kind in SERVICES:
@@ -259,8 +307,9 @@ class Stack:
                 self.config.host,
                 "--port",
                 str(port),
+                *self._config_args(kind, upstream),
             ],
-            env=self._env(self._service_env(kind), **env),
+            env=self._env(worker_of_file=upstream is not None, **env),
             address=address,
             log_path=self.log_dir / f"{name}.log",
             kind=kind,
@@ -302,11 +351,11 @@ class Stack:
         router_target = self._target(routers)
         groups = self._worker_groups(router_target)
         workers = list(groups)
-        for name, upstream in groups.items():
+        for name, group in groups.items():
             port = self._free_port()
             self._add(
-                name, "worker", ["services.worker"], port,
-                ROLLGATE_WORKER_ID=name, ROLLGATE_WORKER_ADVERTISE=f"{cfg.host}:{port}", **upstream,
+                name, "worker", ["services.worker"], port, upstream=group.upstream,
+                ROLLGATE_WORKER_ID=name, ROLLGATE_WORKER_ADVERTISE=f"{cfg.host}:{port}", **group.env,
             )  # fmt: skip
         self._launch(*workers)
         gateways = self._add_replicas(

@@ -1,7 +1,24 @@
 """The stack's configuration: the rollgate YAML (or an AReaL `config.yaml`), read the same way by
-the `rollgate` CLI and by every service. Pure: imports nothing of ours (STYLE.md)."""
+the `rollgate` CLI and by every service, and the one merge of file, environment and command
+line each service's settings go through. Pure: imports nothing of ours (STYLE.md).
 
-from stackconfig.file import (
+Modules by job: `model` (the validated values), `loading` (read, override, expand),
+`rollgate_file` and `areal` (the two formats), `reader` (typed fields, key fields), `urls`
+(base URLs), `kinds` (the upstream kinds), `sources` (file + environment + command line).
+"""
+
+from stackconfig.areal import is_areal
+from stackconfig.kinds import (
+    DEFAULT_KIND,
+    KINDS,
+    SGLANG_PATHS,
+    UPSTREAM_KINDS,
+    UpstreamKind,
+    kinds_help,
+    upstream_kind,
+)
+from stackconfig.loading import apply_override, check_upstream_key, expand_vars, load_config
+from stackconfig.model import (
     DEFAULT_MODEL_ALIAS,
     SERVICES,
     ConfigError,
@@ -12,25 +29,18 @@ from stackconfig.file import (
     RouterConfig,
     SamplingConfig,
     UpstreamConfig,
-    apply_override,
-    check_upstream_key,
-    expand_vars,
-    is_areal,
-    load_config,
-    merged_environ,
-    normalize_base_url,
-    settings_env,
-    worker_env,
 )
-from stackconfig.kinds import (
-    DEFAULT_KIND,
-    KINDS,
-    SGLANG_PATHS,
-    UPSTREAM_KINDS,
-    UpstreamKind,
-    kinds_help,
-    upstream_kind,
+from stackconfig.sources import (
+    Sources,
+    env_bool,
+    env_float,
+    env_int,
+    env_str,
+    file_values,
+    pick_upstream,
+    sources_for,
 )
+from stackconfig.urls import normalize_base_url
 
 __all__ = [
     "DEFAULT_KIND",
@@ -46,17 +56,22 @@ __all__ = [
     "RolloutConfig",
     "RouterConfig",
     "SamplingConfig",
+    "Sources",
     "UpstreamConfig",
     "UpstreamKind",
     "apply_override",
     "check_upstream_key",
+    "env_bool",
+    "env_float",
+    "env_int",
+    "env_str",
     "expand_vars",
+    "file_values",
     "is_areal",
     "kinds_help",
     "load_config",
-    "merged_environ",
     "normalize_base_url",
-    "settings_env",
+    "pick_upstream",
+    "sources_for",
     "upstream_kind",
-    "worker_env",
 ]

@@ -237,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         service="dataproxy",
         description=__doc__,
         default_port=50052,
-        settings_from_env=DataProxySettings.from_env,
+        load_settings=DataProxySettings.load,
         serving=serving,
         argv=argv,
     )

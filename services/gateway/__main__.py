@@ -15,7 +15,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         service="gateway",
         description=__doc__,
         default_port=8080,
-        settings_from_env=GatewaySettings.from_env,
+        load_settings=GatewaySettings.load,
         serving=GatewayServer,
         argv=argv,
     )

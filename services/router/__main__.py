@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         service="router",
         description=__doc__,
         default_port=50051,
-        settings_from_env=RouterSettings.from_env,
+        load_settings=RouterSettings.load,
         serving=serving,
         argv=argv,
     )

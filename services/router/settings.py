@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Self
 
-from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
-from services.runtime.settings import DEFAULT_REDIS_URL, env_bool, env_float, env_str, redis_url
-from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
+from services.runtime.settings import (
+    DEFAULT_REDIS_URL,
+    ServiceSettings,
+    Sources,
+    common_settings,
+    redis_settings,
+)
 
 # An affinity unused this long is forgotten; the next turn of that session is placed afresh.
 AFFINITY_TTL_S = 24 * 3600.0
+DEFAULT_PORT = 50051
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RouterSettings:
+class RouterSettings(ServiceSettings):
     """Everything the router needs to know at start-up."""
 
-    host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = DEFAULT_PORT
     redis_url: str = DEFAULT_REDIS_URL
     redis_prefix: str = "rg:"
     # A worker is live while its last heartbeat is younger than this.
@@ -31,14 +35,6 @@ class RouterSettings:
     affinity_ttl_s: float = AFFINITY_TTL_S
     # Upper bound on the Redis work of one RPC (less when the caller's deadline is shorter).
     redis_timeout_s: float = 5.0
-    grace_s: float = 10.0
-    log_level: str = "info"
-    # None: JSON unless stderr is a terminal.
-    log_json: bool | None = None
-    # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
-    metrics: MetricsEndpoint = NO_METRICS_PORT
-    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
-    tracing: TracingSettings = NO_TRACING
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0 or self.lease_s <= self.heartbeat_interval_s:
@@ -55,23 +51,18 @@ class RouterSettings:
             )
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str], *, host: str | None = None, port: int | None = None
-    ) -> RouterSettings:
-        """Settings from the environment (and command-line host/port)."""
-        raw_json = env_str(environ, "ROLLGATE_LOG_JSON", "auto").lower()
-        bind_host = host or env_str(environ, "ROLLGATE_ROUTER_HOST", "127.0.0.1")
+    def load(cls, src: Sources, *, host: str | None = None, port: int | None = None) -> Self:
+        """Settings from the sources (and command-line host/port)."""
         return cls(
-            host=bind_host,
-            metrics=metrics_endpoint(environ, service="router", host=bind_host),
-            tracing=tracing_settings(environ),
-            port=port if port is not None else 50051,
-            redis_url=redis_url(environ),
-            redis_prefix=env_str(environ, "ROLLGATE_REDIS_PREFIX", "rg:"),
-            lease_s=env_float(environ, "ROLLGATE_WORKER_LEASE_S", 6.0),
-            heartbeat_interval_s=env_float(environ, "ROLLGATE_HEARTBEAT_INTERVAL_S", 1.0),
-            forget_after_s=env_float(environ, "ROLLGATE_WORKER_FORGET_AFTER_S", 60.0),
-            grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),
-            log_level=env_str(environ, "ROLLGATE_LOG_LEVEL", "info"),
-            log_json=None if raw_json == "auto" else env_bool(environ, "ROLLGATE_LOG_JSON", False),
+            **common_settings(
+                src, service="router", host=host, port=port, default_port=DEFAULT_PORT
+            ),
+            **redis_settings(src),
+            lease_s=src.number("ROLLGATE_WORKER_LEASE_S", 6.0, file="router.worker_lease_s"),
+            heartbeat_interval_s=src.number(
+                "ROLLGATE_HEARTBEAT_INTERVAL_S", 1.0, file="router.heartbeat_interval_s"
+            ),
+            forget_after_s=src.number(
+                "ROLLGATE_WORKER_FORGET_AFTER_S", 60.0, file="router.worker_forget_after_s"
+            ),
         )

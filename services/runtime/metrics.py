@@ -36,9 +36,9 @@ from prometheus_client.registry import Collector
 
 from services.runtime.errors import RollgateError
 from services.runtime.logs import get_logger
-from services.runtime.settings import env_str
 from services.runtime.tasks import cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer, incoming
+from stackconfig import env_str
 
 log = get_logger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from services.runtime.grpc_server import run, wait_for_stop_signal
 from services.runtime.logs import configure_logging, get_logger
 from services.runtime.secret import secrets_in
-from stackconfig import merged_environ
+from stackconfig import sources_for
 
 log = get_logger(__name__)
 
@@ -37,32 +37,19 @@ def service_main(
     service: str,
     description: str | None,
     default_port: int,
-    settings_from_env: Callable[..., S],
+    load_settings: Callable[..., S],
     serving: Callable[[S], AbstractAsyncContextManager[Any]],
     argv: Sequence[str] | None = None,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     startup_errors: tuple[type[Exception], ...] = (),
 ) -> None:
     """Runs `service` (`python -m services.<service> [--host H] [--port P] [--config F] …`)."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=description)
-    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    parser.add_argument(
-        "--port", type=int, default=None, help=f"port (default {default_port}; 0: any)"
+    parser = command_line(
+        service, description=description, default_port=default_port, add_arguments=add_arguments
     )
-    parser.add_argument(
-        "--metrics-port",
-        default=None,
-        help="port of GET /metrics (default $ROLLGATE_METRICS_PORT, else per service; 0: any; off)",
-    )
-    parser.add_argument("--config", default=None, help="rollgate YAML (the environment wins)")
-    if add_arguments is not None:
-        add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
     args = parser.parse_args(argv)
     try:
-        settings = settings_from_env(
-            _environ(service, args, os.environ), host=args.host, port=args.port
-        )
+        settings = settings_from(service, args, os.environ, load_settings)
     except ValueError as err:
         # A configuration problem is one clear line naming the setting, not a usage dump.
         print(f"{parser.prog}: {err}", file=sys.stderr)
@@ -95,6 +82,56 @@ def service_main(
         sys.exit(1)
 
 
+def command_line(
+    service: str,
+    *,
+    description: str | None = None,
+    default_port: int,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.ArgumentParser:
+    """The command line every service takes (plus its own `add_arguments`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=description)
+    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=None, help=f"port (default {default_port}; 0: any)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        default=None,
+        help="port of GET /metrics (default $ROLLGATE_METRICS_PORT, else per service; 0: any; off)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="rollgate YAML (the environment wins over it, dotted overrides over both)",
+    )
+    if add_arguments is not None:
+        add_arguments(parser)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: a.b.0.c=value")
+    return parser
+
+
+def settings_from(
+    service: str,
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    load_settings: Callable[..., S],
+) -> S:
+    """The settings of `service` from its parsed command line and the environment: the one
+    place file, environment and command line meet (docs/internals.md, Configuration)."""
+    if args.metrics_port is not None:
+        # The flag wins over the environment, as --host and --port do.
+        environ = {**environ, "ROLLGATE_METRICS_PORT": str(args.metrics_port)}
+    sources = sources_for(
+        service,
+        environ=environ,
+        config_path=args.config,
+        overrides=args.overrides,
+        upstream=getattr(args, "upstream", None),
+    )
+    return load_settings(sources, host=args.host, port=args.port)
+
+
 class StartupError(Exception):
     """A service cannot start; the message says what to fix."""
 
@@ -111,15 +148,3 @@ def startup_message(err: BaseException, *, known: tuple[type[Exception], ...] = 
     else:
         text = f"{type(err).__name__}: {err} (set ROLLGATE_LOG_LEVEL=debug for the traceback)"
     return " ".join(text.split())
-
-
-def _environ(
-    service: str, args: argparse.Namespace, environ: Mapping[str, str]
-) -> Mapping[str, str]:
-    """The environment with the configuration file's values under it."""
-    upstream = getattr(args, "upstream", None)
-    merged = merged_environ(environ, args.config, args.overrides, service, upstream=upstream)
-    if args.metrics_port is not None:
-        # The flag wins over the environment, as --host and --port do.
-        merged = {**merged, "ROLLGATE_METRICS_PORT": str(args.metrics_port)}
-    return merged

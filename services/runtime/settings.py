@@ -1,52 +1,99 @@
-"""Parsing helpers for the settings each service reads once in its `__main__`."""
+"""The settings every service has (host and port, grace, logs, metrics, traces, Redis), read
+the same way for all four; each service's settings dataclass extends `ServiceSettings`.
+
+Every value goes through `stackconfig.Sources` (command-line override > environment > file >
+default); `__main__` builds the sources once (`service_main`) and passes them to the
+service's `load`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
+from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
+from stackconfig import Sources, env_bool, env_float, env_int, env_str
+
+__all__ = [
+    "DEFAULT_REDIS_URL",
+    "ServiceSettings",
+    "Sources",
+    "common_settings",
+    "env_bool",
+    "env_float",
+    "env_int",
+    "env_str",
+    "positive",
+    "redis_settings",
+]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_REDIS_PREFIX = "rg:"
 
 
-def env_str(environ: Mapping[str, str], name: str, default: str) -> str:
-    """`environ[name]`, or `default` when unset or empty."""
-    value = environ.get(name, "").strip()
-    return value or default
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceSettings:
+    """What every service reads: where it listens, how it stops, logs, metrics and traces."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    # In-flight requests get this long to finish on shutdown.
+    grace_s: float = 10.0
+    log_level: str = "info"
+    # None: JSON unless stderr is a terminal.
+    log_json: bool | None = None
+    # Where GET /metrics is served (port None: nowhere), never a service port; docs/metrics.md.
+    metrics: MetricsEndpoint = NO_METRICS_PORT
+    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
+    tracing: TracingSettings = NO_TRACING
+
+    @classmethod
+    def load(cls, src: Sources, *, host: str | None = None, port: int | None = None) -> Self:
+        """The settings from `src` (command-line host/port win); each service defines it."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str], *, host: str | None = None, port: int | None = None
+    ) -> Self:
+        """The settings from the environment alone (no configuration file)."""
+        return cls.load(Sources(environ=environ), host=host, port=port)
 
 
-def env_float(environ: Mapping[str, str], name: str, default: float) -> float:
-    """A float setting, with a message naming the variable when it does not parse."""
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+def common_settings(
+    src: Sources, *, service: str, host: str | None, port: int | None, default_port: int
+) -> dict[str, Any]:
+    """The `ServiceSettings` fields of `service` (command-line host/port win)."""
+    bind_host = host or src.text(f"ROLLGATE_{service.upper()}_HOST", "127.0.0.1")
+    raw_json = src.text("ROLLGATE_LOG_JSON", "auto").lower()
+    return {
+        "host": bind_host,
+        "port": port if port is not None else default_port,
+        "grace_s": src.number("ROLLGATE_GRACE_S", 10.0),
+        "log_level": src.text("ROLLGATE_LOG_LEVEL", "info", file="log_level"),
+        "log_json": None if raw_json == "auto" else src.flag("ROLLGATE_LOG_JSON", False),
+        "metrics": metrics_endpoint(src.environ, service=service, host=bind_host),
+        "tracing": tracing_settings(src.environ),
+    }
 
 
-def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
-    """An integer setting, with a message naming the variable when it does not parse."""
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+def redis_settings(src: Sources) -> dict[str, Any]:
+    """`redis_url`: `ROLLGATE_REDIS_URL`, else the file's `redis.url`, else `REDIS_URL`, else
+    the local default; `redis_prefix`: `ROLLGATE_REDIS_PREFIX`, else `redis.prefix`, else
+    `rg:`."""
+    fallback = env_str(src.environ, "REDIS_URL", DEFAULT_REDIS_URL)
+    return {
+        "redis_url": src.text("ROLLGATE_REDIS_URL", fallback, file="redis.url"),
+        "redis_prefix": src.text(
+            "ROLLGATE_REDIS_PREFIX", DEFAULT_REDIS_PREFIX, file="redis.prefix"
+        ),
+    }
 
 
-def env_bool(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    """A yes/no setting (1/0, true/false, yes/no, on/off)."""
-    raw = environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in {"1", "true", "yes", "on"}:
-        return True
-    if raw in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{name}={raw!r} is not a yes/no value")
-
-
-def redis_url(environ: Mapping[str, str]) -> str:
-    """`ROLLGATE_REDIS_URL`, else `REDIS_URL`, else the local default."""
-    return env_str(environ, "ROLLGATE_REDIS_URL", env_str(environ, "REDIS_URL", DEFAULT_REDIS_URL))
+def positive(value: float, name: str) -> float:
+    """`value`, or ValueError naming the setting when it is not positive."""
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive")
+    return value

@@ -35,7 +35,7 @@ import orjson
 
 from services.runtime.logs import get_logger
 from services.runtime.secret import Secret
-from services.runtime.settings import env_float, env_str
+from stackconfig import env_float, env_str
 
 log = get_logger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from chatml.tokenizer import LocalTokenizer
@@ -15,6 +15,7 @@ from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
 from services.runtime.metrics import MetricsServer, RpcMetricsInterceptor, ServiceMetrics
 from services.runtime.service_main import service_main
+from services.runtime.settings import Sources
 from services.runtime.tracing import tracer_for
 from services.worker.adapters import adapter_for
 from services.worker.metrics import WorkerMetrics
@@ -189,8 +190,8 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         )
 
 
-def _settings(environ: Mapping[str, str], *, host: str | None, port: int | None) -> WorkerSettings:
-    settings = WorkerSettings.from_env(environ, host=host, port=port)
+def _settings(src: Sources, *, host: str | None, port: int | None) -> WorkerSettings:
+    settings = WorkerSettings.load(src, host=host, port=port)
     if settings.tokenizer_path:
         LocalTokenizer(settings.tokenizer_path)  # a bad tokenizer file fails at start-up
     return settings
@@ -206,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         service="worker",
         description=__doc__,
         default_port=50061,
-        settings_from_env=_settings,
+        load_settings=_settings,
         serving=serving,
         argv=argv,
         add_arguments=_upstream_argument,

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Self
 
-from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.secret import NO_SECRET, Secret
-from services.runtime.settings import env_bool, env_float, env_int, env_str
-from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
+from services.runtime.settings import ServiceSettings, Sources, common_settings, env_str
 from stackconfig import DEFAULT_KIND, SGLANG_PATHS, UPSTREAM_KINDS
 from stackconfig import normalize_base_url as config_base_url
 
 DEFAULT_KEY_VAR = "ROLLGATE_UPSTREAM_API_KEY"
+DEFAULT_PORT = 50061
 
 
 def normalize_base_url(raw: str) -> str:
@@ -36,30 +35,35 @@ def parse_aliases(raw: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _optional_int(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name, "").strip()
-    if not raw:
+def _model_list(raw: str) -> tuple[str, ...]:
+    return tuple(m for m in (m.strip() for m in raw.split(",")) if m)
+
+
+def _optional_int(src: Sources, name: str, file: str) -> int | None:
+    where, given = src.pick(name, file)
+    if not where:
         return None
-    value = env_int(environ, name, 0)
+    value = src.integer(name, 0, file=file)
     if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive integer")
+        raise ValueError(f"{name}={given!r} must be a positive integer")
     return value
 
 
-def _optional_float(environ: Mapping[str, str], name: str) -> float | None:
-    raw = environ.get(name, "").strip()
-    if not raw:
+def _optional_float(src: Sources, name: str, file: str) -> float | None:
+    where, given = src.pick(name, file)
+    if not where:
         return None
-    value = env_float(environ, name, 0.0)
+    value = src.number(name, 0.0, file=file)
     if value < 0:
-        raise ValueError(f"{name}={raw!r} must be ≥ 0")
+        raise ValueError(f"{name}={given!r} must be ≥ 0")
     return value
 
 
-def _api_key(environ: Mapping[str, str]) -> tuple[str, str]:
-    """(variable name, key): the variable ROLLGATE_UPSTREAM_API_KEY_VAR names, else the default."""
-    var = env_str(environ, "ROLLGATE_UPSTREAM_API_KEY_VAR", DEFAULT_KEY_VAR)
-    key = env_str(environ, var, "")
+def _api_key(src: Sources) -> tuple[str, str]:
+    """(variable name, key): the variable ROLLGATE_UPSTREAM_API_KEY_VAR (or the file's
+    `api_key: ${VAR}`) names, else the default."""
+    var = src.text("ROLLGATE_UPSTREAM_API_KEY_VAR", DEFAULT_KEY_VAR, file="upstream.api_key_var")
+    key = env_str(src.environ, var, "")
     if var != DEFAULT_KEY_VAR and not key:
         raise ValueError(
             f"the upstream key variable {var} (named by the configuration) is not set: "
@@ -69,11 +73,10 @@ def _api_key(environ: Mapping[str, str]) -> tuple[str, str]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerSettings:
+class WorkerSettings(ServiceSettings):
     """Everything the worker needs to know at start-up."""
 
-    host: str = "127.0.0.1"
-    port: int = 50061
+    port: int = DEFAULT_PORT
     router_addr: str = "127.0.0.1:50051"
     worker_id: str = ""
     # host:port at which the dataproxy reaches this worker; empty: host and the bound port.
@@ -109,71 +112,64 @@ class WorkerSettings:
     models_timeout_s: float = 5.0
     # Deadline of each call to the router.
     router_timeout_s: float = 2.0
-    grace_s: float = 10.0
-    log_level: str = "info"
-    # None: JSON unless stderr is a terminal.
-    log_json: bool | None = None
-    # Where GET /metrics is served (port None: nowhere); docs/metrics.md.
-    metrics: MetricsEndpoint = NO_METRICS_PORT
-    # Spans over OTLP/HTTP when an endpoint is set (off by default); docs/metrics.md, Traces.
-    tracing: TracingSettings = NO_TRACING
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str], *, host: str | None = None, port: int | None = None
-    ) -> WorkerSettings:
-        """Settings from the environment (and command-line host/port)."""
-        raw_base = env_str(environ, "ROLLGATE_UPSTREAM_BASE_URL", "")
+    def load(cls, src: Sources, *, host: str | None = None, port: int | None = None) -> Self:
+        """Settings from the sources (and command-line host/port)."""
+        raw_base = src.text("ROLLGATE_UPSTREAM_BASE_URL", file="upstream.base_url")
         if not raw_base:
             raise ValueError(
                 "ROLLGATE_UPSTREAM_BASE_URL is not set: the worker needs the upstream LLM's "
                 "OpenAI base URL (e.g. http://127.0.0.1:8000/v1; `rollgate up` sets it)"
             )
-        kind = env_str(environ, "ROLLGATE_UPSTREAM_KIND", DEFAULT_KIND).lower()
+        kind = src.text("ROLLGATE_UPSTREAM_KIND", DEFAULT_KIND, file="upstream.kind").lower()
         if kind not in UPSTREAM_KINDS:
             raise ValueError(
                 f"ROLLGATE_UPSTREAM_KIND={kind!r} is not one of {', '.join(UPSTREAM_KINDS)}"
             )
-        models = tuple(
-            m.strip() for m in env_str(environ, "ROLLGATE_UPSTREAM_MODELS", "").split(",")
-        )
-        log_json_raw = env_str(environ, "ROLLGATE_LOG_JSON", "auto").lower()
-        key_var, key = _api_key(environ)
-        sglang_path = env_str(environ, "ROLLGATE_SGLANG_PATH", "chat").lower()
+        key_var, key = _api_key(src)
+        sglang_path = src.text("ROLLGATE_SGLANG_PATH", "chat", file="upstream.sglang_path")
+        sglang_path = sglang_path.lower()
         if sglang_path not in SGLANG_PATHS:
             raise ValueError(f"ROLLGATE_SGLANG_PATH={sglang_path!r} is not `chat` or `generate`")
-        tokenizer = env_str(environ, "ROLLGATE_UPSTREAM_TOKENIZER", "")
+        tokenizer = src.text("ROLLGATE_UPSTREAM_TOKENIZER", file="upstream.tokenizer")
         if kind == "sglang" and sglang_path == "generate" and not tokenizer:
             raise ValueError(
                 "ROLLGATE_SGLANG_PATH=generate needs ROLLGATE_UPSTREAM_TOKENIZER (the path of "
                 "the model's tokenizer.json): the worker sends input_ids"
             )
-        n_samples = _optional_int(environ, "ROLLGATE_N_SAMPLES") or 1
-        bind_host = host or env_str(environ, "ROLLGATE_WORKER_HOST", "127.0.0.1")
         return cls(
-            host=bind_host,
-            metrics=metrics_endpoint(environ, service="worker", host=bind_host),
-            tracing=tracing_settings(environ),
-            port=port if port is not None else 50061,
-            router_addr=env_str(environ, "ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051"),
-            worker_id=env_str(environ, "ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),
-            advertise=env_str(environ, "ROLLGATE_WORKER_ADVERTISE", ""),
+            **common_settings(
+                src, service="worker", host=host, port=port, default_port=DEFAULT_PORT
+            ),
+            router_addr=src.text("ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051", file="router.address"),
+            worker_id=src.text("ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),
+            advertise=src.text("ROLLGATE_WORKER_ADVERTISE"),
             upstream_base_url=normalize_base_url(raw_base),
             upstream_api_key=Secret(key),
             upstream_api_key_var=key_var,
             upstream_kind=kind,
-            upstream_name=env_str(environ, "ROLLGATE_UPSTREAM_NAME", ""),
-            upstream_aliases=parse_aliases(env_str(environ, "ROLLGATE_UPSTREAM_ALIASES", "")),
-            serve_default_model=env_bool(environ, "ROLLGATE_SERVE_DEFAULT_MODEL", True),
-            default_model=env_str(environ, "ROLLGATE_DEFAULT_MODEL", ""),
+            upstream_name=src.text("ROLLGATE_UPSTREAM_NAME", file="upstream.name"),
+            upstream_aliases=src.get(
+                "ROLLGATE_UPSTREAM_ALIASES", (), parse=parse_aliases, file="upstream.aliases"
+            ),
+            serve_default_model=src.flag(
+                "ROLLGATE_SERVE_DEFAULT_MODEL", True, file="upstream.serves_default"
+            ),
+            default_model=src.text("ROLLGATE_DEFAULT_MODEL", file="upstream.default_model"),
             tokenizer_path=tokenizer,
             sglang_path=sglang_path,
-            default_max_tokens=_optional_int(environ, "ROLLGATE_DEFAULT_MAX_TOKENS"),
-            default_temperature=_optional_float(environ, "ROLLGATE_DEFAULT_TEMPERATURE"),
-            n_samples=n_samples,
-            upstream_models=tuple(m for m in models if m),
-            upstream_timeout_s=env_float(environ, "ROLLGATE_UPSTREAM_TIMEOUT_S", 600.0),
-            grace_s=env_float(environ, "ROLLGATE_GRACE_S", 10.0),
-            log_level=env_str(environ, "ROLLGATE_LOG_LEVEL", "info"),
-            log_json=None if log_json_raw == "auto" else log_json_raw in {"1", "true", "yes", "on"},
+            default_max_tokens=_optional_int(
+                src, "ROLLGATE_DEFAULT_MAX_TOKENS", "worker.sampling.max_new_tokens"
+            ),
+            default_temperature=_optional_float(
+                src, "ROLLGATE_DEFAULT_TEMPERATURE", "worker.sampling.temperature"
+            ),
+            n_samples=_optional_int(src, "ROLLGATE_N_SAMPLES", "worker.sampling.n_samples") or 1,
+            upstream_models=src.get(
+                "ROLLGATE_UPSTREAM_MODELS", (), parse=_model_list, file="upstream.models"
+            ),
+            upstream_timeout_s=src.number(
+                "ROLLGATE_UPSTREAM_TIMEOUT_S", 600.0, file="upstream.timeout_s"
+            ),
         )

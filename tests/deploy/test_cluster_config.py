@@ -5,7 +5,7 @@ come out of file + environment as the Deployment means them."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from services.dataproxy.settings import DataProxySettings
 from services.gateway.settings import GatewaySettings
 from services.router.settings import RouterSettings
 from services.worker.settings import WorkerSettings
-from stackconfig import load_config, merged_environ
+from stackconfig import load_config, sources_for
 from tests.deploy.conftest import Manifest
 from tests.deploy.test_kubernetes import component, env_config, of_kind, rollgate_deployments
 
@@ -23,10 +23,10 @@ CONFIG_DIR = "/etc/rollgate"
 CONFIG_FILE = "rollgate.yaml"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
 SETTINGS: dict[str, Callable[..., Any]] = {
-    "gateway": GatewaySettings.from_env,
-    "router": RouterSettings.from_env,
-    "dataproxy": DataProxySettings.from_env,
-    "worker": WorkerSettings.from_env,
+    "gateway": GatewaySettings.load,
+    "router": RouterSettings.load,
+    "dataproxy": DataProxySettings.load,
+    "worker": WorkerSettings.load,
 }
 
 
@@ -102,8 +102,8 @@ def _settings(objects: list[Manifest], deployment: Manifest, tmp_path: Path) -> 
     path.write_text(config_text(objects))
     environ = container_environ(objects, deployment)
     service = component(deployment)
-    merged: Mapping[str, str] = merged_environ(environ, str(path), (), service)
-    return SETTINGS[service](merged, host=args[args.index("--host") + 1], port=None)
+    src = sources_for(service, environ=environ, config_path=str(path))
+    return SETTINGS[service](src, host=args[args.index("--host") + 1], port=None)
 
 
 @pytest.mark.parametrize("service", ["gateway", "router", "dataproxy", "worker"])

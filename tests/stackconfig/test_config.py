@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from services.dataproxy.settings import DataProxySettings
 from services.gateway.settings import GatewaySettings
 from services.router.settings import RouterSettings
 from services.worker.settings import WorkerSettings
-from stackconfig import ConfigError, load_config, normalize_base_url, settings_env
+from stackconfig import ConfigError, Sources, load_config, normalize_base_url, sources_for
 
 ENV = {"TAOTOKEN_API_KEY": "sk-tao-secret", "RG_ADMIN": "admin-secret", "HOST": "gpu1"}
 
@@ -34,6 +35,12 @@ worker:
 """
 
 
+def sources(
+    service: str, *overrides: str, upstream: str | None = None, text: str = CONFIG
+) -> Sources:
+    return sources_for(service, environ=ENV, text=text, overrides=overrides, upstream=upstream)
+
+
 def load(text: str, *overrides: str, environ: dict[str, str] | None = None) -> object:
     return load_config(text=text, environ=ENV if environ is None else environ, overrides=overrides)
 
@@ -51,30 +58,30 @@ def test_a_full_file_loads_with_variables_expanded_and_keys_kept_as_names() -> N
 
 
 def test_the_worker_gets_its_upstream_and_never_the_key_value() -> None:
-    config = load_config(text=CONFIG, environ=ENV)
-    env = settings_env(config, "worker", upstream="hosted")
-    assert env["ROLLGATE_UPSTREAM_BASE_URL"] == "https://api.taotoken.net/v1"
-    assert env["ROLLGATE_UPSTREAM_API_KEY_VAR"] == "TAOTOKEN_API_KEY"
-    assert "sk-tao-secret" not in env.values()
-    settings = WorkerSettings.from_env({**env, **ENV})
+    src = sources("worker", upstream="hosted")
+    assert src.file["upstream.base_url"] == "https://api.taotoken.net/v1"
+    assert src.file["upstream.api_key_var"] == "TAOTOKEN_API_KEY"
+    assert "sk-tao-secret" not in repr(dict(src.file))
+    settings = WorkerSettings.load(src)
     assert settings.upstream_api_key.reveal() == "sk-tao-secret"
     assert "sk-tao-secret" not in repr(settings)
     assert settings.upstream_api_key_var == "TAOTOKEN_API_KEY"
     assert (settings.default_max_tokens, settings.default_temperature) == (256, 0.8)
     assert settings.n_samples == 4
-    local = WorkerSettings.from_env(settings_env(config, "worker", upstream="local"))
+    local = WorkerSettings.load(sources("worker", upstream="local"))
     assert local.upstream_aliases == (("qwen", "Qwen/Qwen3-8B"),)
     assert local.upstream_kind == "vllm"
+    assert local.upstream_base_url == "http://gpu1:8000/v1"
 
 
-def test_each_service_gets_its_own_variables() -> None:
-    config = load_config(text=CONFIG, environ=ENV)
-    gateway = settings_env(config, "gateway")
-    assert gateway["ROLLGATE_ADMIN_KEY"] == "admin-secret"
-    assert gateway["ROLLGATE_REDIS_PREFIX"] == "t:"
-    assert "ROLLGATE_ADMIN_KEY" not in settings_env(config, "router")
+def test_each_service_reads_its_own_settings_from_the_file() -> None:
+    gateway = GatewaySettings.load(sources("gateway"))
+    assert gateway.admin_key.reveal() == "admin-secret"
+    assert DataProxySettings.load(sources("dataproxy")).redis_prefix == "t:"
+    router = RouterSettings.load(sources("router"))
+    assert (router.redis_url, router.redis_prefix) == ("redis://gpu1:6379/0", "t:")
     with pytest.raises(ConfigError, match="--upstream NAME"):
-        settings_env(config, "worker")
+        sources("worker")
 
 
 def test_dotted_overrides_replace_values_before_validation() -> None:
@@ -137,31 +144,29 @@ def test_validation_messages_say_what_is_wrong(override: str, message: str) -> N
         load_config(text=CONFIG, environ=ENV, overrides=[override])
 
 
-def _default_of(config: object, upstream: str) -> tuple[bool, str]:
-    env = {**settings_env(config, "worker", upstream=upstream), **ENV}  # type: ignore[arg-type]
-    settings = WorkerSettings.from_env(env)
+def _default_of(upstream: str, *overrides: str) -> tuple[bool, str]:
+    settings = WorkerSettings.load(sources("worker", *overrides, upstream=upstream))
     return settings.serve_default_model, settings.default_model
 
 
 def test_default_is_the_first_upstreams_first_model_unless_the_file_names_one() -> None:
     config = load_config(text=CONFIG, environ=ENV)
     assert config.default_model == ""
-    assert _default_of(config, "local") == (True, "")
-    assert _default_of(config, "hosted") == (False, "")
-    named = load_config(text=CONFIG, environ=ENV, overrides=["worker.default_model=deepseek-v3"])
-    assert _default_of(named, "local") == (False, "")
-    assert _default_of(named, "hosted") == (True, "deepseek-v3")
+    assert _default_of("local") == (True, "")
+    assert _default_of("hosted") == (False, "")
+    named = "worker.default_model=deepseek-v3"
+    assert _default_of("local", named) == (False, "")
+    assert _default_of("hosted", named) == (True, "deepseek-v3")
     # An alias names its upstream's model (the worker resolves it).
-    aliased = load_config(text=CONFIG, environ=ENV, overrides=["worker.default_model=qwen"])
-    assert _default_of(aliased, "local") == (True, "qwen")
-    assert _default_of(aliased, "hosted") == (False, "")
+    aliased = "worker.default_model=qwen"
+    assert _default_of("local", aliased) == (True, "qwen")
+    assert _default_of("hosted", aliased) == (False, "")
 
 
 def test_an_explicit_default_alias_wins_and_cannot_be_combined_with_default_model() -> None:
     explicit = ["worker.upstreams.1.aliases.default=deepseek-v3"]
-    config = load_config(text=CONFIG, environ=ENV, overrides=explicit)
-    assert _default_of(config, "local") == (False, "")
-    settings = WorkerSettings.from_env({**settings_env(config, "worker", upstream="hosted"), **ENV})
+    assert _default_of("local", *explicit) == (False, "")
+    settings = WorkerSettings.load(sources("worker", *explicit, upstream="hosted"))
     assert ("default", "deepseek-v3") in settings.upstream_aliases
     with pytest.raises(ConfigError, match="already serves a model named 'default'"):
         load_config(text=CONFIG, environ=ENV, overrides=[*explicit, "worker.default_model=qwen"])
@@ -172,9 +177,8 @@ def test_a_default_model_no_upstream_serves_is_refused_naming_the_served_ones() 
         load_config(text=CONFIG, environ=ENV, overrides=["worker.default_model=gpt-9"])
     # An upstream that asks its /models might serve it: it registers `default` if it does.
     discovering = ["worker.upstreams.1.models=[]", "worker.default_model=gpt-9"]
-    config = load_config(text=CONFIG, environ=ENV, overrides=discovering)
-    assert _default_of(config, "hosted") == (True, "gpt-9")
-    assert _default_of(config, "local") == (False, "")
+    assert _default_of("hosted", *discovering) == (True, "gpt-9")
+    assert _default_of("local", *discovering) == (False, "")
 
 
 AREAL = """
@@ -205,9 +209,11 @@ def test_an_areal_file_maps_its_fields_and_reports_the_rest_as_ignored() -> None
     assert "rollout.max_concurrent_rollouts" in config.ignored
     assert "sglang.context_length" in config.ignored
     assert "gconfig.max_new_tokens" not in config.ignored
-    dataproxy = settings_env(config, "dataproxy")
-    assert dataproxy["ROLLGATE_BATCH_SIZE"] == "4"
-    assert dataproxy["ROLLGATE_MAX_HEAD_OFFPOLICYNESS"] == "2"
+    dataproxy = DataProxySettings.load(sources("dataproxy", text=AREAL))
+    assert (dataproxy.batch_size, dataproxy.max_head_offpolicyness) == (4, 2)
+    worker = WorkerSettings.load(sources("worker", text=AREAL))
+    assert (worker.upstream_kind, worker.upstream_models) == ("sglang", ("Qwen/Qwen3-0.6B",))
+    assert (worker.default_max_tokens, worker.upstream_api_key.reveal()) == (2048, "sk-tao-secret")
 
 
 def test_the_areal_example_literal_admin_key_is_refused() -> None:
@@ -222,10 +228,11 @@ def test_the_example_file_in_the_repository_loads() -> None:
     config = load_config(example, environ=environ)
     assert {u.kind for u in config.upstreams} == {"vllm", "sglang", "openai"}
     for upstream in config.upstreams:
-        WorkerSettings.from_env(
-            {**settings_env(config, "worker", upstream=upstream.name), **environ}
+        src = sources_for(
+            "worker", environ=environ, config_path=str(example), upstream=upstream.name
         )
-    router = RouterSettings.from_env(settings_env(config, "router"))
+        assert WorkerSettings.load(src).upstream_kind == upstream.kind
+    router = RouterSettings.load(sources_for("router", environ=environ, config_path=str(example)))
     assert (router.lease_s, router.heartbeat_interval_s, router.forget_after_s) == (6, 1, 60)
 
 
@@ -280,12 +287,7 @@ def test_the_gateway_edge_limits_come_from_the_gateway_section() -> None:
         "gateway.max_header_bytes=16384",
         "gateway.max_headers=64",
     ]
-    env = settings_env(load_config(text=CONFIG, environ=ENV, overrides=overrides), "gateway")
-    assert env["ROLLGATE_HEADER_TIMEOUT_S"] == "3.0"
-    assert env["ROLLGATE_BODY_TIMEOUT_S"] == "20.0"
-    assert env["ROLLGATE_KEEPALIVE_TIMEOUT_S"] == "30.0"
-    assert (env["ROLLGATE_MAX_HEADER_BYTES"], env["ROLLGATE_MAX_HEADERS"]) == ("16384", "64")
-    settings = GatewaySettings.from_env(env | {"ROLLGATE_ADMIN_KEY": "k"})
+    settings = GatewaySettings.load(sources("gateway", *overrides))
     assert (settings.header_timeout_s, settings.keepalive_timeout_s) == (3.0, 30.0)
     assert settings.body_timeout_s == 20.0
     assert (settings.max_header_bytes, settings.max_headers) == (16384, 64)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from rollgate import cli
-from stackconfig import ConfigError, load_config, merged_environ
+from services.gateway.settings import GatewaySettings
+from services.worker.settings import WorkerSettings
+from stackconfig import ConfigError, load_config, sources_for
 
 TWO = """
 admin_key: ${RG_ADMIN}
@@ -45,12 +47,12 @@ def test_services_without_upstream_keys_load_the_file_but_the_keyed_worker_does_
     path = tmp_path / "rollgate.yaml"
     path.write_text(TWO)
     environ = {"RG_ADMIN": "a"}
-    gateway = merged_environ(environ, str(path), (), "gateway")
-    assert gateway["ROLLGATE_ADMIN_KEY"] == "a"
-    local = merged_environ(environ, str(path), (), "worker", upstream="local")
-    assert local["ROLLGATE_UPSTREAM_NAME"] == "local"
+    gateway = sources_for("gateway", environ=environ, config_path=str(path))
+    assert GatewaySettings.load(gateway).admin_key.reveal() == "a"
+    local = sources_for("worker", environ=environ, config_path=str(path), upstream="local")
+    assert WorkerSettings.load(local).upstream_name == "local"
     with pytest.raises(ConfigError, match="export HOSTED_KEY_FOR_TEST="):
-        merged_environ(environ, str(path), (), "worker", upstream="hosted")
+        sources_for("worker", environ=environ, config_path=str(path), upstream="hosted")
 
 
 def test_the_worker_process_says_which_key_variable_to_set_in_one_line(tmp_path: Path) -> None:
