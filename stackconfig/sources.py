@@ -109,6 +109,13 @@ class Sources:
         value = self.get(env, default, file=file, parse=lambda raw: env_float({env: raw}, env, 0))
         return float(value)
 
+    def positive(self, env: str, default: float, *, file: str = "") -> float:
+        """A float setting that must be positive; the error names the variable."""
+        value = self.number(env, default, file=file)
+        if value <= 0:
+            raise ValueError(f"{env}={value} must be positive")
+        return value
+
     def integer(self, env: str, default: int, *, file: str = "") -> int:
         """An integer setting; the error names the variable."""
         return self.get(env, default, file=file, parse=lambda raw: env_int({env: raw}, env, 0))

@@ -11,7 +11,6 @@ from services.runtime.settings import (
     ServiceSettings,
     Sources,
     common_settings,
-    positive,
     redis_settings,
 )
 
@@ -73,9 +72,6 @@ class DataProxySettings(ServiceSettings):
         if batch_size < 1:
             raise ValueError(f"ROLLGATE_BATCH_SIZE={batch_size} must be at least 1")
 
-        def timeout(name: str, default: float, file: str = "") -> float:
-            return positive(src.number(name, default, file=file), name)
-
         return cls(
             **common_settings(
                 src, service="dataproxy", host=host, port=port, default_port=DEFAULT_PORT
@@ -86,18 +82,18 @@ class DataProxySettings(ServiceSettings):
             turn_timeout_s=src.number(
                 "ROLLGATE_TURN_TIMEOUT_S", 600.0, file="dataproxy.turn_timeout_s"
             ),
-            refresh_timeout_s=timeout(
-                "ROLLGATE_REFRESH_TIMEOUT_S", 120.0, "dataproxy.refresh_timeout_s"
+            refresh_timeout_s=src.positive(
+                "ROLLGATE_REFRESH_TIMEOUT_S", 120.0, file="dataproxy.refresh_timeout_s"
             ),
             max_head_offpolicyness=max_head_offpolicyness,
             batch_size=batch_size,
             pause_wait_s=src.number("ROLLGATE_PAUSE_WAIT_S", 30.0, file="dataproxy.pause_wait_s"),
-            pause_drain_timeout_s=timeout("ROLLGATE_PAUSE_DRAIN_TIMEOUT_S", 60.0),
-            session_idle_timeout_s=timeout(
-                "ROLLGATE_SESSION_IDLE_TIMEOUT_S", 3600.0, "dataproxy.session_idle_timeout_s"
+            pause_drain_timeout_s=src.positive("ROLLGATE_PAUSE_DRAIN_TIMEOUT_S", 60.0),
+            session_idle_timeout_s=src.positive(
+                "ROLLGATE_SESSION_IDLE_TIMEOUT_S", 3600.0, file="dataproxy.session_idle_timeout_s"
             ),
             late_reward_timeout_s=src.number(
                 "ROLLGATE_LATE_REWARD_TIMEOUT_S", 0.0, file="dataproxy.late_reward_timeout_s"
             ),
-            reaper_interval_s=timeout("ROLLGATE_REAPER_INTERVAL_S", 1.0),
+            reaper_interval_s=src.positive("ROLLGATE_REAPER_INTERVAL_S", 1.0),
         )

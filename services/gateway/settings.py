@@ -75,22 +75,16 @@ class GatewaySettings(ServiceSettings):
                 "/rl/start_session (rollgate up sets it for you)"
             )
         # start_session waits as long as the dataproxy's refresh does (plus a margin).
-        refresh_timeout_s = positive(
-            src.number("ROLLGATE_REFRESH_TIMEOUT_S", 120.0, file="dataproxy.refresh_timeout_s"),
-            "ROLLGATE_REFRESH_TIMEOUT_S",
+        refresh_timeout_s = src.positive(
+            "ROLLGATE_REFRESH_TIMEOUT_S", 120.0, file="dataproxy.refresh_timeout_s"
         )
         return cls(
             **common_settings(
                 src, service="gateway", host=host, port=port, default_port=DEFAULT_PORT
             ),
             admin_key=Secret(admin_key),
-            console_session_s=positive(
-                src.number("ROLLGATE_CONSOLE_SESSION_S", 900.0), "ROLLGATE_CONSOLE_SESSION_S"
-            ),
-            console_max_login_s=positive(
-                src.number("ROLLGATE_CONSOLE_MAX_LOGIN_S", 12 * 3600.0),
-                "ROLLGATE_CONSOLE_MAX_LOGIN_S",
-            ),
+            console_session_s=src.positive("ROLLGATE_CONSOLE_SESSION_S", 900.0),
+            console_max_login_s=src.positive("ROLLGATE_CONSOLE_MAX_LOGIN_S", 12 * 3600.0),
             console_login_failures_per_min=_at_least_one(
                 src.integer("ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN", 10),
                 "ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN",
