@@ -1,7 +1,8 @@
 """The one relay of a turn, shared by chat completions, Responses and the WebSocket bridge.
 
-A turn: route (cached) → `BeginTurn` on the ledger (admission, the in-flight lease, the weight
-version) → `Worker.Generate` / `Worker.Complete` straight to the worker the router chose →
+A turn: `BeginTurn` on the ledger (admission, the in-flight lease, the weight version; a key
+refused here never reaches the router, so it leaves no affinity) → route (cached) →
+`Worker.Generate` / `Worker.Complete` straight to the worker the router chose →
 each batch of chunks to the caller as it arrives, its output tokens stamped with the weight
 version current as it passes → `RecordTurn` on the ledger → the caller's end (`Done`: the
 recorded assistant message, usage and finish reason, nothing re-accumulated here). The end is
@@ -328,8 +329,10 @@ class TurnRelay:
         call: _GenerateCall = None
         clock = TurnClock(self._metrics, stream=True)
         try:
-            choice = await self._route(spec)
+            # Admission first: a key that is unknown, revoked or between episodes is refused
+            # before the router places it, so it leaves no affinity behind.
             admitted = await self._begin(spec)
+            choice = await self._route(spec)
             call, message, choice = await self._open(spec, admitted, choice)
             if on_routed is not None:
                 on_routed(choice.address)
@@ -380,8 +383,8 @@ class TurnRelay:
         failure: RollgateError | None = None
         clock = TurnClock(self._metrics, stream=False)
         try:
-            choice = await self._route(spec)
             admitted = await self._begin(spec)
+            choice = await self._route(spec)
             request = self._generate_request(spec, admitted)
             rerouted = False
             while True:

@@ -266,9 +266,9 @@ def test_metrics_match_a_scripted_workload_exactly(metrics_stack: Stack) -> None
         "worker-2",
     }
     # Each session's affinity names one worker: the affinities per worker add up to the sessions
-    # (one model) and the unknown key's (a turn is routed before its admission); the name says
-    # what is counted, not sessions running now (none are).
-    assert value(router, "rollgate_worker_session_affinities") == SESSIONS + 1
+    # (one model); the unknown key's turn was refused at admission, before any route, so it
+    # has none; the name says what is counted, not sessions running now (none are).
+    assert value(router, "rollgate_worker_session_affinities") == SESSIONS
     assert value(g, "rollgate_episodes_open") == 0
     assert "rollgate_worker_sessions" not in router
 

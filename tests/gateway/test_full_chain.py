@@ -160,7 +160,10 @@ async def test_chat_between_episodes_is_503_with_retry_after(stack: Stack, strea
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_unknown_session_key_is_401(stack: Stack, stream: bool) -> None:
+async def test_unknown_session_key_is_401_and_leaves_nothing_in_redis(
+    stack: Stack, redis_client: aioredis.Redis, stream: bool
+) -> None:
+    before = sorted(await redis_client.keys(f"{stack.prefix}*"))
     key = new_session_key()
     async with stack.http.post(
         stack.url + "/v1/chat/completions", json=_chat_body("hi", stream=stream), headers=_auth(key)
@@ -171,6 +174,12 @@ async def test_unknown_session_key_is_401(stack: Stack, stream: bool) -> None:
     assert body["error"]["type"] == "authentication_error"
     async with stack.http.get(stack.url + "/v1/models", headers=_auth(key)) as resp:
         assert resp.status == 401
+    # Refused at admission, before the router: no affinity, nothing per key; only the bounded
+    # global counters and error list (the console's) may be new.
+    after = sorted(await redis_client.keys(f"{stack.prefix}*"))
+    new = {k.decode().removeprefix(stack.prefix) for k in after if k not in before}
+    assert new <= {"stats", "errors"}
+    assert not await redis_client.keys(f"{stack.prefix}aff:*")
 
 
 async def test_models_with_the_admin_key_lists_live_models(stack: Stack) -> None:
@@ -207,14 +216,20 @@ async def test_health_reports_the_live_workers_without_asking_the_router(stack: 
     )
 
 
-async def test_unknown_model_is_404_from_the_router(stack: Stack) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unknown_model_is_404_from_the_router_and_releases_the_admitted_turn(
+    stack: Stack, redis_client: aioredis.Redis, stream: bool
+) -> None:
     key = (await _start(stack))["api_key"]
-    body = _chat_body("hi", stream=False) | {"model": "no-such-model"}
+    body = _chat_body("hi", stream=stream) | {"model": "no-such-model"}
     async with stack.http.post(
         stack.url + "/v1/chat/completions", json=body, headers=_auth(key)
     ) as resp:
         assert resp.status == 404
         assert MODEL in (await resp.json())["error"]["message"]
+    # Admitted before it was routed, so the failed route gave its in-flight lease back.
+    assert await redis_client.zcard(f"{stack.prefix}inflight") == 0
+    assert not await redis_client.hlen(f"{stack.prefix}epturns")
 
 
 @pytest.mark.parametrize("stream", [False, True])
