@@ -186,7 +186,8 @@ async def test_chat_when_the_backends_are_unreachable_is_503_with_retry_after(
         assert status == 503
         assert content_type == "application/json"
         assert int(headers["Retry-After"]) >= 1
-        assert payload["error"]["code"] == "router_unavailable"
+        # Admission (the dataproxy's ledger) is the turn's first hop, before the router.
+        assert payload["error"]["code"] == "dataproxy_unavailable"
 
 
 async def test_start_session_when_the_dataproxy_is_unreachable_is_503(

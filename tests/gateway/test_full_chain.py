@@ -285,6 +285,28 @@ async def test_chat_when_the_dataproxy_is_unreachable_is_503_with_retry_after(
             assert (await resp.json())["missing"] == ["dataproxy"]
 
 
+async def test_chat_when_the_router_is_unreachable_is_503_and_releases_the_admitted_turn(
+    stack: Stack, redis_client: aioredis.Redis, dead_address: str
+) -> None:
+    key = (await _start(stack))["api_key"]
+    settings = gateway_settings(router_addr=dead_address, dataproxy_addr=stack.dataproxy_addr)
+    async with GatewayServer(settings) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        for stream in (False, True):
+            async with stack.http.post(
+                url + "/v1/chat/completions",
+                json=_chat_body("hi", stream=stream),
+                headers=_auth(key),
+            ) as resp:
+                assert resp.status == 503
+                assert resp.content_type == "application/json"
+                assert int(resp.headers["Retry-After"]) >= 1
+                assert (await resp.json())["error"]["code"] == "router_unavailable"
+    # Admitted, then not routed: the lease is given back, so the episode is not held open.
+    assert await redis_client.zcard(f"{stack.prefix}inflight") == 0
+    assert not await redis_client.hlen(f"{stack.prefix}epturns")
+
+
 async def _wait_for_disconnects(mock: MockLLM, count: int) -> None:
     await eventually(
         lambda: mock.stats.disconnects >= count,
