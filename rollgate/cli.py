@@ -43,7 +43,9 @@ def _up_parser() -> argparse.ArgumentParser:
         default=os.environ.get("ROLLGATE_ADMIN_KEY", ""),
         help="admin key (default: $ROLLGATE_ADMIN_KEY, else a generated one, printed)",
     )
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument(
+        "--workers", type=_at_least_one, default=2, help="worker processes (default 2)"
+    )
     parser.add_argument(
         "--replicas",
         type=_replicas,
@@ -69,6 +71,13 @@ def _up_parser() -> argparse.ArgumentParser:
         help="the mock LLM's delay between streamed tokens (default 20)",
     )
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    """A count of processes: an integer >= 1 (the gateway is not ready without a worker)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return int(text)
 
 
 def _replicas(text: str) -> dict[str, int]:
@@ -169,8 +178,9 @@ def up_main(argv: Sequence[str]) -> int:
     print("rollgate: starting redis, router, dataproxy, workers and gateway …", flush=True)
     try:
         stack.start()
-    except StackError as err:
-        print(f"rollgate: failed to start: {err}", file=sys.stderr)
+    except (StackError, OSError) as err:
+        # One line: which process, why, what to change (its log path for the rest).
+        print(f"rollgate: failed to start: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

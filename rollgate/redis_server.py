@@ -71,18 +71,23 @@ class RedisServer:
             self.port = free_port()
             if self._spawn(timeout_s):
                 return self
-            last_error = self.log_tail()
+            last_error = self.last_log_line()
             self.stop()
-        raise RuntimeError(f"redis-server did not start: {last_error}")
+        raise RuntimeError(
+            f"redis-server did not start ({last_error}; its log: {self._log_path()})"
+        )
 
     def restart(self, *, timeout_s: float = 10.0) -> None:
         """Starts the server again after a crash: the same port (clients keep their URL) and
         the same data directory (the AOF brings the data back)."""
         self.stop()
         if not self._spawn(timeout_s):
-            tail = self.log_tail()
+            last = self.last_log_line()
             self.stop()
-            raise RuntimeError(f"redis-server did not restart on port {self.port}: {tail}")
+            raise RuntimeError(
+                f"redis-server did not restart on port {self.port} ({last}; its log: "
+                f"{self._log_path()})"
+            )
 
     @property
     def exit_code(self) -> int | None:
@@ -123,11 +128,21 @@ class RedisServer:
             time.sleep(0.05)
         return False
 
+    def _log_path(self) -> Path:
+        assert self.data_dir is not None
+        return Path(self.data_dir) / "redis.log"
+
     def log_tail(self) -> str:
         """The end of redis.log."""
-        assert self.data_dir is not None
-        log = Path(self.data_dir) / "redis.log"
+        log = self._log_path()
         return log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+
+    def last_log_line(self) -> str:
+        """The last line redis.log has (what redis-server said before it stopped)."""
+        lines = [line.strip() for line in self.log_tail().splitlines() if line.strip()]
+        # redis-server's own lines start `pid:role date time level`: the message is after it.
+        last = lines[-1] if lines else "no log"
+        return last.split(" * ", 1)[-1].split(" # ", 1)[-1]
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: the data directory stays for `start()` again."""

@@ -42,7 +42,8 @@ _UPSTREAM_VARS = ("ROLLGATE_UPSTREAM_", "ROLLGATE_SGLANG_PATH")
 
 
 class StackError(RuntimeError):
-    """A process of the stack failed to start or died."""
+    """A process of the stack failed to start or died; the message is one line saying what
+    failed and what to fix (the process's log path in it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,10 +98,13 @@ class ServiceProcess:
     # host:port of its GET /metrics ("" for processes without one: the mock LLM).
     metrics_address: str = ""
     process: subprocess.Popen[bytes] | None = None
+    # Where this run's output starts in the log (earlier runs' lines come before it).
+    log_offset: int = 0
 
     def start(self) -> None:
         """Starts (or restarts) the process, appending to its log."""
         with self.log_path.open("ab") as log:
+            self.log_offset = log.tell()
             self.process = subprocess.Popen(
                 self.argv,
                 env=self.env,
@@ -145,6 +149,16 @@ class ServiceProcess:
             return self.log_path.read_text(errors="replace")[-limit:]
         except OSError:
             return "(no log)"
+
+    def failure_reason(self) -> str:
+        """What this run said about why it could not start, in one line ("" if nothing)."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_offset)
+                text = log.read()[-_REASON_WINDOW:].decode(errors="replace")
+        except OSError:
+            return ""
+        return failure_reason(text)
 
 
 @dataclass(slots=True)
@@ -319,8 +333,14 @@ class Stack:
     def start(self) -> Stack:
         """Starts every process in dependency order and waits until each is healthy; writes
         stack.json only then (a stale one from an earlier run is removed first)."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._state_file.unlink(missing_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._state_file.unlink(missing_ok=True)
+        except OSError as err:
+            raise StackError(
+                f"cannot use {self.state_dir} for logs and data ({err.strerror or err}): "
+                "choose a writable directory (--state-dir DIR or ROLLGATE_STATE_DIR)"
+            ) from None
         try:
             self._start()
         except BaseException:
@@ -331,7 +351,12 @@ class Stack:
     def _start(self) -> None:
         cfg = self.config
         if not self.redis_url:
-            self.redis = RedisServer(appendonly=True, data_dir=str(self._redis_dir())).start()
+            try:
+                server = RedisServer(appendonly=True, data_dir=str(self._redis_dir()))
+                self.redis = server.start()
+            except RuntimeError as err:
+                hint = "" if "REDIS_URL" in str(err) else " (or set REDIS_URL to a running Redis)"
+                raise StackError(f"the embedded Redis could not start: {err}{hint}") from None
             self.redis_url = self.redis.url
         configured = cfg.file is not None and bool(cfg.file.upstreams)
         if cfg.upstream_base_url is None and not configured:
@@ -405,13 +430,18 @@ class Stack:
     def wait_healthy(self, name: str, *, deadline: float) -> None:
         """Polls the service's health check until it answers, or raises StackError."""
         service = self.services[name]
+        started = time.monotonic()
         while time.monotonic() < deadline:
             if not service.alive:
-                raise StackError(f"{name} exited during start-up:\n{service.log_tail()}")
+                reason = service.failure_reason() or _describe_exit(service.exit_code)
+                raise StackError(f"{name} could not start: {reason} (its log: {service.log_path})")
             if _healthy(service):
                 return
             time.sleep(0.05)
-        raise StackError(f"{name} was not healthy in time:\n{service.log_tail()}")
+        raise StackError(
+            f"{name} was not healthy within {time.monotonic() - started:.0f} s"
+            f"{_last_words(service)} (its log: {service.log_path})"
+        )
 
     @property
     def _state_file(self) -> Path:
@@ -484,6 +514,14 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        self._remove_state_file()
+
+    def _remove_state_file(self) -> None:
+        """A stopped stack leaves no stack.json behind (a script must not find its URLs);
+        one another run wrote meanwhile is left alone."""
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(self._state_file.read_text()).get("pid") == os.getpid():
+                self._state_file.unlink()
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -495,6 +533,66 @@ class Stack:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+# How much of a failed run's log is searched for its reason.
+_REASON_WINDOW = 64 * 1024
+
+
+def failure_reason(output: str) -> str:
+    """The one line a run's output gives as the reason it stopped: its `startup_failed` event
+    (services log JSON), else its last line that is not a log event (a configuration error, the
+    last line of a traceback); "" when there is none."""
+    last_text = ""
+    for raw in reversed(output.splitlines()):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict):
+                if event.get("event") == "startup_failed" and event.get("error"):
+                    return " ".join(str(event["error"]).split())
+                continue
+        if not last_text and not line.startswith("^"):
+            last_text = line
+    return " ".join(last_text.split())
+
+
+def _last_words(service: ServiceProcess) -> str:
+    """Why a running service is not healthy yet: what the gateway's /ready says is missing,
+    else the last thing its log said that was not a log event."""
+    reason = _not_ready_detail(service) if service.kind == "gateway" else ""
+    reason = reason or service.failure_reason()
+    return f": {reason}" if reason else ""
+
+
+def _not_ready_detail(service: ServiceProcess) -> str:
+    try:
+        with urllib.request.urlopen(f"http://{service.address}/ready", timeout=1.0):
+            return ""
+    except urllib.error.HTTPError as err:
+        try:
+            detail = json.loads(err.read()).get("detail") or {}
+        except (OSError, ValueError, AttributeError):
+            return ""
+        return "; ".join(f"{part}: {problem}" for part, problem in dict(detail).items())
+    except (urllib.error.URLError, OSError):
+        return ""
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "it stopped"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"it exited with code {code} and said nothing"
 
 
 def _healthy(service: ServiceProcess) -> bool:

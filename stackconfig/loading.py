@@ -110,7 +110,7 @@ def load_config(
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source} is not valid YAML: {err}") from None
+        raise ConfigError(f"{source} is not valid YAML: {_yaml_problem(err)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -185,3 +185,11 @@ def _restore(expanded: Any, keys: Mapping[tuple[Any, ...], Any]) -> None:
         for name in path[:-1]:
             node = node[name]
         node[path[-1]] = value
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line: what the YAML parser found and where (line and column, 1-based)."""
+    problem = getattr(err, "problem", None) or str(err)
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
 from rollgate.mock_llm.openai_wire import USAGE_CHOICES
 from rollgate.mock_llm.server import FLAVORS, MockLLM
@@ -68,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         async with mock:
             await stop.wait()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve())
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve())
+    except OSError as err:
+        # One line saying what to change, as every service says it (no traceback).
+        print(
+            f"rollgate mock-llm: cannot listen on {args.host}:{args.port} "
+            f"({err.strerror or err}): choose another --host or --port",
+            file=sys.stderr,
+        )
+        return 1
     return 0

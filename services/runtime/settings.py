@@ -72,11 +72,26 @@ def common_settings(
         "host": bind_host,
         "port": port if port is not None else default_port,
         "grace_s": src.number("ROLLGATE_GRACE_S", 10.0),
-        "log_level": src.text("ROLLGATE_LOG_LEVEL", "info", file="log_level"),
+        "log_level": log_level(src.text("ROLLGATE_LOG_LEVEL", "info", file="log_level")),
         "log_json": None if raw_json == "auto" else src.flag("ROLLGATE_LOG_JSON", False),
         "metrics": metrics_endpoint(src.environ, service=service, host=bind_host),
         "tracing": tracing_settings(src.environ),
     }
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(raw: str) -> str:
+    """The log level, lower case; ValueError naming the setting and the levels otherwise."""
+    level = raw.strip().lower()
+    level = {"warn": "warning", "fatal": "critical"}.get(level, level)
+    if level not in LOG_LEVELS:
+        raise ValueError(
+            f"ROLLGATE_LOG_LEVEL={raw!r} (log_level in a configuration file) is not a log "
+            f"level: use one of {', '.join(LOG_LEVELS)}"
+        )
+    return level
 
 
 def redis_settings(src: Sources) -> dict[str, Any]:

@@ -123,6 +123,7 @@ def test_rollgate_up_prints_how_to_use_it_and_ctrl_c_stops_every_process(
             proc.terminate()
             code = proc.wait(timeout=60)
     assert code == 0
+    assert not (tmp_path / "stack.json").exists(), "a stopped stack left its stack.json"
     assert not _port_open(port), "the gateway still listens after Ctrl-C"
     assert not _port_open(trainer_port), "the dataproxy still listens after Ctrl-C"
     left = _processes_with_env("ROLLGATE_REDIS_PREFIX", env["ROLLGATE_REDIS_PREFIX"])

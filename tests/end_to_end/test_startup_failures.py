@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,91 @@ def test_a_configuration_mistake_is_one_line_naming_the_setting() -> None:
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().count("\n") == 0
     assert "ROLLGATE_HEADER_TIMEOUT_S" in done.stderr
+
+
+@pytest.mark.parametrize("service", ["gateway", "router", "dataproxy", "worker"])
+def test_a_log_level_that_does_not_exist_is_one_line_naming_the_setting(service: str) -> None:
+    env = {
+        "ROLLGATE_LOG_LEVEL": "verbose",
+        "ROLLGATE_UPSTREAM_BASE_URL": "http://127.0.0.1:1/v1",
+        "ROLLGATE_UPSTREAM_MODELS": "m",
+    }
+    done = _run(service, env, "--port", "0")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "ROLLGATE_LOG_LEVEL='verbose'" in done.stderr and "debug, info" in done.stderr
+
+
+def test_a_configuration_file_that_is_not_yaml_is_one_line_naming_where(tmp_path: Path) -> None:
+    config = tmp_path / "rollgate.yaml"
+    config.write_text("gateway:\n  port: 8080\n extra: [1\n")
+    done = _run("gateway", {}, "--port", "0", "--config", str(config))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert f"{config} is not valid YAML" in done.stderr and "line 3" in done.stderr
+
+
+# `rollgate up` starts the four services and the embedded Redis: whatever stops it is one line
+# naming the process and the fix, never a traceback or a dump of a log.
+ROLLGATE = str(Path(sys.executable).parent / "rollgate")
+
+
+def _up(tmp_path: Path, *args: str, redis_url: str | None = None) -> tuple[int, list[str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLGATE_", "REDIS_URL"))}
+    if redis_url is not None:
+        env["REDIS_URL"] = redis_url
+        env["ROLLGATE_REDIS_PREFIX"] = f"rgupfail:{os.getpid()}:"
+    done = subprocess.run(
+        [ROLLGATE, "up", "--state-dir", str(tmp_path / "state"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output and '"event"' not in output, output
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    return done.returncode, said
+
+
+def test_up_on_a_busy_port_says_in_one_line_which_service_and_what_to_change(
+    busy_port: int, redis_url: str, tmp_path: Path
+) -> None:
+    code, said = _up(tmp_path, "--port", str(busy_port), "--workers", "1", redis_url=redis_url)
+    assert code == 1 and len(said) == 1, said
+    assert said[0].startswith("rollgate: failed to start: gateway could not start: "), said
+    assert "choose another --port" in said[0]
+    assert str(tmp_path / "state" / "logs" / "gateway.log") in said[0]
+    # A second failure names only its own run's reason (logs are appended run after run).
+    code, again = _up(tmp_path, "--port", str(busy_port), "--workers", "1", redis_url=redis_url)
+    assert code == 1 and again == said
+
+
+def test_up_without_a_usable_state_directory_says_which_option_to_change(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    done = subprocess.run(
+        [ROLLGATE, "up", "--state-dir", str(blocker / "state")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    said = done.stderr.strip().splitlines()
+    assert len(said) == 1 and "choose a writable directory (--state-dir DIR" in said[0], said
+
+
+def test_up_whose_embedded_redis_cannot_read_its_data_says_what_redis_said(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "state" / "redis").mkdir(parents=True)
+    (tmp_path / "state" / "redis" / "appendonly.aof").write_text("*3\r\n$3\r\nSET\r\ntruncated")
+    code, said = _up(tmp_path, "--port", "0")
+    assert code == 1 and len(said) == 1, said
+    assert said[0].startswith("rollgate: failed to start: the embedded Redis could not start"), said
+    assert "redis-check-aof" in said[0] and "redis.log" in said[0]
+
+
+def test_up_with_no_worker_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    code, said = _up(tmp_path, "--workers", "0")
+    assert code == 2 and said[-1].endswith("argument --workers: '0': expected an integer >= 1")
+    assert not (tmp_path / "state").exists(), "nothing was started"
