@@ -60,12 +60,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.PullTrajectoriesRequest, context: Context
     ) -> AsyncIterator[trainer_pb2.TrajectoryMessage]:
         """Streams trajectories to one consumer of a group until a limit or cancellation."""
-        await self._authorize(context)
+        issued = await self._authorize(context)
         await self._check_pull(request, context)
         await self._stream.ensure_group(request.group, include_history=request.include_history)
         # The group exists: a client may now let agents run without missing an episode.
         await context.send_initial_metadata(((GROUP_READY_METADATA_KEY, "1"),))
         async for entry, tag in self._pull(request):
+            # A pull outlives many revocations: an issued key revoked meanwhile gets nothing
+            # more (the entry stays pending for the group, another consumer takes it over).
+            await self._auth.still_valid(issued)
             yield _message(entry, tag)
         if self._stopping.is_set():
             raise Unavailable(_SHUTTING_DOWN, retry_after_s=1.0)
@@ -150,8 +153,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if not request.group or not request.consumer:
             raise InvalidRequest("group and consumer are required")
 
-    async def _authorize(self, context: Context) -> None:
-        await self._auth.check(context.invocation_metadata())
+    async def _authorize(self, context: Context) -> str:
+        """The caller's issued-key digest ("" for a configured key), or Unauthenticated."""
+        return await self._auth.check(context.invocation_metadata())
 
 
 def build_control(

@@ -17,10 +17,12 @@ import redis.asyncio as aioredis
 from protos import trainer_pb2, trainer_pb2_grpc
 from rollgate.trainer_client import PulledTrajectory, TrainerClient, TrainerError
 from schema.trajectory import CODEC
+from services.dataproxy.access_keys import AccessKeyStore
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
+from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
 from tests.harness.poll import eventually
@@ -457,3 +459,35 @@ async def wait_for_group(stack: Stack, group: str) -> None:
         return any(g["name"].decode() == group for g in groups)
 
     await eventually(exists, what=f"group {group}")
+
+
+async def test_an_open_pull_gets_nothing_more_once_its_issued_key_is_revoked(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(reclaim_idle_s=0.2)
+    access = AccessKeyStore(redis=stack.redis, keys=stack.keys)
+    trainer_key, _ = await access.issue(kind="trainer", label="leaked")
+    digest = key_digest(trainer_key)
+    async with stack.client(trainer_key) as tc:
+        pulled: list[str] = []
+
+        async def pull() -> None:
+            async with asyncio.timeout(30):
+                async for item in tc.pull("ppo", "c0", idle_timeout_s=20):
+                    pulled.append(item.trajectory.trajectory_id)
+
+        task = asyncio.create_task(pull())
+        await wait_for_group(stack, "ppo")
+        await stack.publish("before")
+        await eventually(lambda: pulled == ["before"], timeout_s=10, what="the first one pulled")
+        assert (await access.revoke(digest)) is not None
+        await stack.publish("after")
+        with pytest.raises(TrainerError) as refused:
+            await asyncio.wait_for(task, 20)
+
+    assert refused.value.code == "key_revoked", refused.value
+    assert pulled == ["before"], "nothing reaches a revoked key's open pull"
+    # The refused entry is still the group's: a consumer with a valid key is handed it.
+    async with stack.client(TRAINER_KEY) as tc:
+        taken = await collect(tc, "ppo", "c1", max_count=2, idle_s=5)
+    assert "after" in [p.trajectory.trajectory_id for p in taken]
