@@ -91,6 +91,20 @@ def registered_routes() -> list[tuple[str, str]]:
     return sorted(set(found))
 
 
+def concrete_path(path: str) -> str:
+    """A registered route's path with its placeholders filled in."""
+    concrete = path.replace("{response_id}", "resp_" + uuid.uuid4().hex)
+    for name, value in (
+        ("{session_id}", "s-1"),
+        ("{rollout_id}", "s"),
+        ("{attempt_id}", "1"),
+        ("{stream_id}", "1-1"),
+        ("{name}", "console.css"),
+    ):
+        concrete = concrete.replace(name, value)
+    return concrete
+
+
 def trajectories_of(stack: Stack, key_id: str) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(stack.redis_url)
     try:
@@ -173,15 +187,7 @@ async def test_a_revoked_key_is_refused_on_every_route_the_gateway_registers(
         for method, path in routes:
             if path in PUBLIC or path == "/ws":
                 continue
-            concrete = path.replace("{response_id}", "resp_" + uuid.uuid4().hex)
-            for name, value in (
-                ("{session_id}", "s-1"),
-                ("{rollout_id}", "s"),
-                ("{attempt_id}", "1"),
-                ("{stream_id}", "1-1"),
-                ("{name}", "console.css"),
-            ):
-                concrete = concrete.replace(name, value)
+            concrete = concrete_path(path)
             for gateway in (gw1, gw2):
                 for key, headers in ((session_key, {}), (header_key, sid)):
                     # Valid for every POST route: chat (messages), Responses (input), reward,
@@ -389,3 +395,65 @@ async def test_the_keys_service_mints_nothing_for_a_caller_without_an_admin_key(
         admin = (("authorization", f"Bearer {keys_stack.config.admin_key}"),)
         listed = await stub.ListAccessKeys(keys_pb2.ListAccessKeysRequest(), metadata=admin)
         assert trainer["key_id"] in {k.key_id for k in listed.keys}, "nothing was revoked"
+
+
+# Routes an admin key opens (besides ADMIN_ONLY and /console): a revoked one is told so there.
+ADMIN_OR_SESSION = ("/models",)
+
+
+async def test_a_revoked_admin_key_is_refused_on_every_route_the_gateway_registers(
+    keys_stack: Stack,
+) -> None:
+    admin = keys_stack.config.admin_key
+    gw1, gw2 = gateways(keys_stack)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        status, issued = await call(http, "POST", f"{gw1}/rl/keys", admin, {"kind": "admin"})
+        assert status == 200, issued
+        leaked = issued["api_key"]
+        # In use on both gateways (and the Trainer service) right up to the revocation.
+        for gateway in (gw1, gw2):
+            assert (await call(http, "GET", f"{gateway}/rl/keys", leaked))[0] == 200
+        async with TrainerClient(keys_stack.trainer_address, leaked) as trainer:
+            await trainer.stats()
+        status, revoked = await call(
+            http, "POST", f"{gw2}/rl/keys/revoke", admin, {"key_id": issued["key_id"]}
+        )
+        assert status == 200 and revoked["kind"] == "admin", revoked
+
+        checked = 0
+        for method, path in registered_routes():
+            if path in PUBLIC or path == "/ws" or path.endswith(NOT_SERVED):
+                continue
+            if path == "/console/login" or path.startswith("/console/static"):
+                continue  # the login form itself and its stylesheet: open to anyone
+            for gateway in (gw1, gw2):
+                body = {**chat_body("after"), "input": "after", "reward": 1.0, "max_tokens": 8,
+                        "kind": "admin", "key_id": issued["key_id"]}  # fmt: skip
+                status, answer = await call(
+                    http,
+                    method,
+                    gateway + concrete_path(path),
+                    leaked,
+                    body if method == "POST" else None,
+                    {"X-Session-Id": "s-1"},
+                )
+                what = f"{method} {path} on {gateway}"
+                assert status == 401, (what, status, answer)
+                opens_for_admin = (
+                    path in ADMIN_ONLY
+                    or path.startswith("/console")
+                    or path.endswith(ADMIN_OR_SESSION)
+                ) and not path.startswith(("/sessions/", "/rollout/"))
+                if opens_for_admin:
+                    assert answer["error"]["code"] == "key_revoked", (what, answer)
+                assert answer["error"]["message"], what
+                checked += 1
+        assert checked >= 2 * 10
+        # Logging in to the console with it fails too.
+        async with http.post(f"{gw1}/console/login", data={"admin_key": leaked},
+                             allow_redirects=False) as resp:  # fmt: skip
+            assert resp.status == 401
+        async with TrainerClient(keys_stack.trainer_address, leaked) as trainer:
+            with pytest.raises(TrainerError) as refused:
+                await trainer.stats()
+        assert refused.value.code == "key_revoked"
