@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import orjson
@@ -80,12 +80,14 @@ class KeyModes:
         self._max_entries = max_entries
         self._modes: OrderedDict[str, str] = OrderedDict()
 
-    async def mode(self, request: web.Request, digest: str) -> str:
-        """The key's mode; Unauthenticated (from the dataproxy) for unknown or revoked keys."""
-        known = self._modes.get(digest)
+    async def mode(self, request: web.Request, digest: str, *, fresh: bool = False) -> str:
+        """The key's mode; Unauthenticated (from the dataproxy) for unknown or revoked keys.
+        `fresh` asks the dataproxy even for a remembered key (revoked since, on any replica?)."""
+        known = None if fresh else self._modes.get(digest)
         if known is not None:
             self._modes.move_to_end(digest)
             return known
+        self._modes.pop(digest, None)
         try:
             resolved = await request.app[BACKENDS].dataproxy.ResolveKey(
                 dataproxy_pb2.ResolveKeyRequest(key_digest=digest),
@@ -131,29 +133,40 @@ def _conflict(path_id: str, other: str, where: str) -> InvalidRequest:
     )
 
 
-async def _require_header_mode(request: web.Request, *, admin_allowed: bool) -> None:
+async def _require_header_mode(request: web.Request, *, admin_allowed: bool) -> str:
+    """The digest of the request's header-mode session key ("" for an admin key where the
+    route allows one); Unauthenticated or InvalidRequest otherwise."""
     settings = request.app[SETTINGS]
     if admin_allowed:
         kind, key = await require_any_key(
             request.headers, settings.admin_key, request.app[KEYS].lookup
         )
         if kind is KeyKind.ADMIN:
-            return
+            return ""
     else:
         key = require_session_key(request.headers, settings.admin_key)
-    if await request.app[KEY_MODES].mode(request, key_digest(key)) != HEADER_MODE:
+    digest = key_digest(key)
+    if await request.app[KEY_MODES].mode(request, digest) != HEADER_MODE:
         raise InvalidRequest(PER_EPISODE_KEY_MESSAGE, code="session_path_needs_header_key")
+    return digest
 
 
-async def _check_body_session_id(request: web.Request, session_id: str) -> None:
-    raw = await request.read()
+async def _refuse(request: web.Request, digest: str, error: InvalidRequest) -> NoReturn:
+    """Raises `error` for a key that is still valid: a remembered key is asked about again
+    first, so one revoked since (on any replica) gets the 401 every route gives, not a 400."""
+    if digest:
+        await request.app[KEY_MODES].mode(request, digest, fresh=True)
+    raise error
+
+
+def _body_session_id(raw: bytes) -> str:
+    """The body's `session_id`, "" when it names none (or is no JSON object)."""
     try:
         body: Any = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError:
-        return  # the route's own parser says what is wrong with the body
+        return ""  # the route's own parser says what is wrong with the body
     named = body.get("session_id") if isinstance(body, dict) else None
-    if isinstance(named, str) and named.strip() and named.strip() != session_id:
-        raise _conflict(session_id, named.strip(), "the body's `session_id`")
+    return named.strip() if isinstance(named, str) else ""
 
 
 def scoped(handler: Handler, path: str) -> Handler:
@@ -164,16 +177,19 @@ def scoped(handler: Handler, path: str) -> Handler:
     async def scoped_handler(request: web.Request) -> web.StreamResponse:
         session_id = session_of(request.match_info)
         # The key first: a revoked or unknown one is the 401 every route gives.
-        await _require_header_mode(request, admin_allowed=admin_allowed)
+        digest = await _require_header_mode(request, admin_allowed=admin_allowed)
         header = request.headers.get(SESSION_ID_HEADER, "").strip()
         if header and header != session_id:
-            raise _conflict(session_id, header, SESSION_ID_HEADER)
+            await _refuse(request, digest, _conflict(session_id, header, SESSION_ID_HEADER))
         headers = CIMultiDict(request.headers)
         headers[SESSION_ID_HEADER] = session_id
         # Cloned before the body is read: the handler reads it from the clone.
         named = request.clone(headers=headers)
         if check_body:
-            await _check_body_session_id(named, session_id)
+            in_body = _body_session_id(await named.read())
+            if in_body and in_body != session_id:
+                error = _conflict(session_id, in_body, "the body's `session_id`")
+                await _refuse(request, digest, error)
         return await handler(named)
 
     scoped_handler.__doc__ = f"{path} with the session named by the URL path."

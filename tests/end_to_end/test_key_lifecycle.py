@@ -149,6 +149,16 @@ async def test_a_revoked_key_is_refused_on_every_route_the_gateway_registers(
         sid = {"X-Session-Id": "s-1"}
         assert (await call(http, "POST", f"{gw2}/v1/chat/completions", header_key,
                            chat_body("hi"), sid))[0] == 200  # fmt: skip
+        # Both keys in use on both gateways (whatever a replica remembers about a key, e.g. that
+        # it is a header-mode key, is warm there) before the revocation on one of them.
+        for gateway in (gw1, gw2):
+            status, answer = await call(
+                http, "POST", f"{gateway}/sessions/s-1/v1/chat/completions", header_key,
+                chat_body("warm"),
+            )  # fmt: skip
+            assert status == 200, answer
+            status, answer = await call(http, "GET", f"{gateway}/v1/models", session_key)
+            assert status == 200, answer
         # A connection opened before the revocation is refused after it.
         ws_url = gw2.replace("http://", "ws://") + "/ws"
         open_ws = await http.ws_connect(ws_url)
