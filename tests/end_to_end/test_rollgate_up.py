@@ -290,3 +290,49 @@ def test_rollgate_up_restarts_a_killed_worker_and_a_killed_embedded_redis(
             code = proc.wait(timeout=60)
     assert code == 0
     assert not _processes_with_env("ROLLGATE_REDIS_PREFIX", prefix)
+
+
+def test_rollgate_up_gives_up_only_after_five_fast_crashes_in_a_row_and_stops_everything(
+    redis_url: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    prefix = f"rggiveup:{port}:"
+    env = {k: v for k, v in os.environ.items() if k != "ROLLGATE_ADMIN_KEY"}
+    env.update(REDIS_URL=redis_url, ROLLGATE_REDIS_PREFIX=prefix)
+    proc = subprocess.Popen(
+        [ROLLGATE, "up", "--port", str(port), "--state-dir", str(tmp_path), "--workers", "1",
+         "--admin-key", "rg-admin-giveup-" + os.urandom(8).hex()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    lines = _lines(proc)
+    try:
+        _read_until(lines, "Ctrl-C stops everything", 90)
+        for crash in range(1, 6):
+            worker = _pid_of(lambda cmd, environ: b"ROLLGATE_WORKER_ID=worker-1" in environ
+                             and f"ROLLGATE_REDIS_PREFIX={prefix}".encode() in environ)  # fmt: skip
+            os.kill(worker, signal.SIGKILL)
+            if crash < 5:
+                # Four fast crashes: restarted each time, the backoff doubling.
+                said = "".join(_read_until(lines, f"worker-1 restarted (restart {crash})", 60))
+                assert f"restarting in {0.5 * 2 ** (crash - 1):g} s" in said, said
+                assert proc.poll() is None, "up gave up before five fast crashes"
+        said = "".join(_read_until(lines, "rollgate: stopping.", 60))
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert code == 1
+    assert (
+        "rollgate: worker-1 was killed by SIGKILL 5 times in a row, each within 30 s of "
+        "starting; giving up"
+    ) in said, said
+    assert "the end of worker-1's log:" in said
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / "rollgate-up.log").read_text().splitlines()
+    ]
+    assert events[-1]["event"] == "service_gave_up" and events[-1]["service"] == "worker-1"
+    assert not (tmp_path / "stack.json").exists()
+    assert not _processes_with_env("ROLLGATE_REDIS_PREFIX", prefix), "services left running"
