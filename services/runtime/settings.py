@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
+from redis.connection import parse_url
+
 from services.runtime.metrics import NO_METRICS_PORT, MetricsEndpoint, metrics_endpoint
 from services.runtime.tracing import NO_TRACING, TracingSettings, tracing_settings
 from stackconfig import Sources, env_bool, env_float, env_int, env_str
@@ -68,6 +70,8 @@ def common_settings(
     """The `ServiceSettings` fields of `service` (command-line host/port win)."""
     bind_host = host or src.text(f"ROLLGATE_{service.upper()}_HOST", "127.0.0.1")
     raw_json = src.text("ROLLGATE_LOG_JSON", "auto").lower()
+    if port is not None and not 0 <= port <= MAX_PORT:
+        raise ValueError(f"--port {port} is not a port: use 1-{MAX_PORT}, or 0 for any free one")
     return {
         "host": bind_host,
         "port": port if port is not None else default_port,
@@ -79,6 +83,7 @@ def common_settings(
     }
 
 
+MAX_PORT = 65535
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -99,8 +104,17 @@ def redis_settings(src: Sources) -> dict[str, Any]:
     the local default; `redis_prefix`: `ROLLGATE_REDIS_PREFIX`, else `redis.prefix`, else
     `rg:`."""
     fallback = env_str(src.environ, "REDIS_URL", DEFAULT_REDIS_URL)
+    url = src.text("ROLLGATE_REDIS_URL", fallback, file="redis.url")
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as err:
+        # redis-py's reason, never the URL itself (it may hold a password).
+        raise ValueError(
+            f"ROLLGATE_REDIS_URL (or redis.url in the file, or REDIS_URL) is not a Redis URL: "
+            f"{err}; e.g. redis://127.0.0.1:6379/0"
+        ) from None
     return {
-        "redis_url": src.text("ROLLGATE_REDIS_URL", fallback, file="redis.url"),
+        "redis_url": url,
         "redis_prefix": src.text(
             "ROLLGATE_REDIS_PREFIX", DEFAULT_REDIS_PREFIX, file="redis.prefix"
         ),

@@ -172,3 +172,24 @@ def test_up_with_no_worker_is_refused_before_anything_starts(tmp_path: Path) -> 
     code, said = _up(tmp_path, "--workers", "0")
     assert code == 2 and said[-1].endswith("argument --workers: '0': expected an integer >= 1")
     assert not (tmp_path / "state").exists(), "nothing was started"
+
+
+@pytest.mark.parametrize("service", ["gateway", "router", "dataproxy", "worker"])
+def test_a_port_out_of_range_is_refused_in_one_line(service: str) -> None:
+    env = {"ROLLGATE_UPSTREAM_BASE_URL": "http://127.0.0.1:1/v1", "ROLLGATE_UPSTREAM_MODELS": "m"}
+    # 99999 used to be bound silently as 99999 % 65536 (34463).
+    done = _run(service, env, "--port", "99999")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        f"python -m services.{service}: --port 99999 is not a port: use 1-65535, or 0 for any "
+        "free one"
+    )
+
+
+@pytest.mark.parametrize("service", ["dataproxy", "router"])
+def test_a_redis_url_that_does_not_parse_names_the_setting_and_not_the_url(service: str) -> None:
+    done = _run(service, {"ROLLGATE_REDIS_URL": "redis://:pw-0123456789@127.0.0.1:six/0"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "ROLLGATE_REDIS_URL" in done.stderr and "is not a Redis URL" in done.stderr
+    assert "pw-0123456789" not in done.stderr
