@@ -208,6 +208,50 @@ class EndSessionResponse(_message.Message):
 Global___EndSessionResponse: _TypeAlias = EndSessionResponse  # noqa: Y015
 
 @_typing.final
+class LedgerRequests(_message.Message):
+    """The ledger ops that were ready to go together, in the order they were asked."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___LedgerRequest]: ...
+    def __init__(
+        self,
+        *,
+        ops: _abc.Iterable[Global___LedgerRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LedgerRequests: _TypeAlias = LedgerRequests  # noqa: Y015
+
+@_typing.final
+class LedgerResponses(_message.Message):
+    """The answers that were ready together (in the order they were ready)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LedgerResponse]: ...
+    def __init__(
+        self,
+        *,
+        answers: _abc.Iterable[Global___LedgerResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LedgerResponses: _TypeAlias = LedgerResponses  # noqa: Y015
+
+@_typing.final
 class LedgerRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

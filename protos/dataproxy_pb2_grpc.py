@@ -51,8 +51,8 @@ class DataProxyStub:
                 _registered_method=True)
         self.Ledger = channel.stream_stream(
                 '/rollgate.v1.DataProxy/Ledger',
-                request_serializer=protos_dot_dataproxy__pb2.LedgerRequest.SerializeToString,
-                response_deserializer=protos_dot_dataproxy__pb2.LedgerResponse.FromString,
+                request_serializer=protos_dot_dataproxy__pb2.LedgerRequests.SerializeToString,
+                response_deserializer=protos_dot_dataproxy__pb2.LedgerResponses.FromString,
                 _registered_method=True)
         self.ResolveKey = channel.unary_unary(
                 '/rollgate.v1.DataProxy/ResolveKey',
@@ -96,7 +96,9 @@ class DataProxyServicer:
     def Ledger(self, request_iterator, context):
         """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
         start (admission) and the end (the record) of every turn; the gateway calls the worker
-        itself. Requests and answers are matched by id; many turns share the stream.
+        itself. Requests and answers are matched by id; many turns share the stream. Each message
+        carries every op (every answer) that was ready to go together: one gRPC message, not one
+        per op, when several turns start or end at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,8 +145,8 @@ def add_DataProxyServicer_to_server(servicer, server):
             ),
             'Ledger': grpc.stream_stream_rpc_method_handler(
                     servicer.Ledger,
-                    request_deserializer=protos_dot_dataproxy__pb2.LedgerRequest.FromString,
-                    response_serializer=protos_dot_dataproxy__pb2.LedgerResponse.SerializeToString,
+                    request_deserializer=protos_dot_dataproxy__pb2.LedgerRequests.FromString,
+                    response_serializer=protos_dot_dataproxy__pb2.LedgerResponses.SerializeToString,
             ),
             'ResolveKey': grpc.unary_unary_rpc_method_handler(
                     servicer.ResolveKey,
@@ -268,8 +270,8 @@ class DataProxy:
             request_iterator,
             target,
             '/rollgate.v1.DataProxy/Ledger',
-            protos_dot_dataproxy__pb2.LedgerRequest.SerializeToString,
-            protos_dot_dataproxy__pb2.LedgerResponse.FromString,
+            protos_dot_dataproxy__pb2.LedgerRequests.SerializeToString,
+            protos_dot_dataproxy__pb2.LedgerResponses.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,10 +35,12 @@ class DataProxyStub:
     """New session, or a refresh when `api_key` is bound to an active episode."""
     SetReward: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.SetRewardRequest, _dataproxy_pb2.SetRewardResponse]
     EndSession: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.EndSessionRequest, _dataproxy_pb2.EndSessionResponse]
-    Ledger: _grpc.StreamStreamMultiCallable[_dataproxy_pb2.LedgerRequest, _dataproxy_pb2.LedgerResponse]
+    Ledger: _grpc.StreamStreamMultiCallable[_dataproxy_pb2.LedgerRequests, _dataproxy_pb2.LedgerResponses]
     """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
     start (admission) and the end (the record) of every turn; the gateway calls the worker
-    itself. Requests and answers are matched by id; many turns share the stream.
+    itself. Requests and answers are matched by id; many turns share the stream. Each message
+    carries every op (every answer) that was ready to go together: one gRPC message, not one
+    per op, when several turns start or end at once.
     """
     ResolveKey: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.ResolveKeyRequest, _dataproxy_pb2.ResolveKeyResponse]
     """Resolves a session key to its session (used by the gateway to route)."""
@@ -54,10 +56,12 @@ class DataProxyAsyncStub(DataProxyStub):
     """New session, or a refresh when `api_key` is bound to an active episode."""
     SetReward: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.SetRewardRequest, _dataproxy_pb2.SetRewardResponse]  # type: ignore[assignment]
     EndSession: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.EndSessionRequest, _dataproxy_pb2.EndSessionResponse]  # type: ignore[assignment]
-    Ledger: _aio.StreamStreamMultiCallable[_dataproxy_pb2.LedgerRequest, _dataproxy_pb2.LedgerResponse]  # type: ignore[assignment]
+    Ledger: _aio.StreamStreamMultiCallable[_dataproxy_pb2.LedgerRequests, _dataproxy_pb2.LedgerResponses]  # type: ignore[assignment]
     """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
     start (admission) and the end (the record) of every turn; the gateway calls the worker
-    itself. Requests and answers are matched by id; many turns share the stream.
+    itself. Requests and answers are matched by id; many turns share the stream. Each message
+    carries every op (every answer) that was ready to go together: one gRPC message, not one
+    per op, when several turns start or end at once.
     """
     ResolveKey: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.ResolveKeyRequest, _dataproxy_pb2.ResolveKeyResponse]  # type: ignore[assignment]
     """Resolves a session key to its session (used by the gateway to route)."""
@@ -92,12 +96,14 @@ class DataProxyServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Ledger(
         self,
-        request_iterator: _MaybeAsyncIterator[_dataproxy_pb2.LedgerRequest],
+        request_iterator: _MaybeAsyncIterator[_dataproxy_pb2.LedgerRequests],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_dataproxy_pb2.LedgerResponse], _abc.AsyncIterator[_dataproxy_pb2.LedgerResponse]]:
+    ) -> _typing.Union[_abc.Iterator[_dataproxy_pb2.LedgerResponses], _abc.AsyncIterator[_dataproxy_pb2.LedgerResponses]]:
         """The turn ledger: one long-lived stream per gateway and dataproxy replica that carries the
         start (admission) and the end (the record) of every turn; the gateway calls the worker
-        itself. Requests and answers are matched by id; many turns share the stream.
+        itself. Requests and answers are matched by id; many turns share the stream. Each message
+        carries every op (every answer) that was ready to go together: one gRPC message, not one
+        per op, when several turns start or end at once.
         """
 
     @_abc_1.abstractmethod

@@ -3,8 +3,10 @@
 A gateway keeps one `DataProxy.Ledger` stream open per dataproxy replica and sends every turn's
 `BeginTurn`, `RecordTurn` and `ReleaseTurn` over it, each with an id; answers come back with
 the id, in any order (a begin waiting while submission is paused holds up nothing else). A
-message on an open stream costs a fraction of a unary RPC (docs/internals.md, *The turn
-ledger*). The weight version is pushed on every stream when it moves (id 0), so the gateway
+message on an open stream costs a fraction of a unary RPC, and the cost is per message, not
+per op: the gateway sends the ops that were ready together in one `LedgerRequests`, and the
+answers that are ready when the stream can write go out together in one `LedgerResponses`
+(docs/internals.md, *The turn ledger*). The weight version is pushed on every stream when it moves (id 0), so the gateway
 stamps each streamed batch's tokens with the version current as it passes.
 
 Turns admitted through a stream and not yet recorded or released are remembered; when the
@@ -82,10 +84,11 @@ class LedgerStreams:
         return sum(len(s.admitted) for s in self._streams)
 
     async def serve(
-        self, requests: AsyncIterator[dataproxy_pb2.LedgerRequest]
-    ) -> AsyncIterator[dataproxy_pb2.LedgerResponse]:
+        self, requests: AsyncIterator[dataproxy_pb2.LedgerRequests]
+    ) -> AsyncIterator[dataproxy_pb2.LedgerResponses]:
         """One stream's answers, until the gateway closes its side (and what it asked is
-        answered) or this process shuts the stream down."""
+        answered) or this process shuts the stream down. Each message carries every answer
+        that was ready when the previous one had gone."""
         stream = _Stream()
         self._streams.add(stream)
         unsubscribe = self._versions.listen(
@@ -96,10 +99,22 @@ class LedgerStreams:
             dataproxy_pb2.LedgerResponse(weight_version=self._versions.current)
         )
         reader = asyncio.create_task(self._read(stream, requests), name="ledger-reader")
+        answers = stream.answers
         try:
             # None: the stream ends (the gateway closed its side, or this process shuts down).
-            while (answer := await stream.answers.get()) is not None:
-                yield answer
+            while (answer := await answers.get()) is not None:
+                batch = dataproxy_pb2.LedgerResponses()
+                batch.answers.append(answer)
+                ended = False
+                while not answers.empty():
+                    more = answers.get_nowait()
+                    if more is None:
+                        ended = True
+                        break
+                    batch.answers.append(more)
+                yield batch
+                if ended:
+                    break
         finally:
             unsubscribe()
             await cancel_and_wait(reader)
@@ -128,15 +143,16 @@ class LedgerStreams:
             self._drained.set()
 
     async def _read(
-        self, stream: _Stream, requests: AsyncIterator[dataproxy_pb2.LedgerRequest]
+        self, stream: _Stream, requests: AsyncIterator[dataproxy_pb2.LedgerRequests]
     ) -> None:
         try:
-            async for request in requests:
-                # One task per op (two per turn): a begin that waits out a pause holds up
-                # nothing else.
-                op = asyncio.create_task(self._answer(stream, request))
-                stream.ops.add(op)
-                op.add_done_callback(stream.ops.discard)
+            async for batch in requests:
+                for request in batch.ops:
+                    # One task per op (two per turn): a begin that waits out a pause holds up
+                    # nothing else.
+                    op = asyncio.create_task(self._answer(stream, request))
+                    stream.ops.add(op)
+                    op.add_done_callback(stream.ops.discard)
         finally:
             # The gateway closed its side (or went away): answer what it asked, then end.
             if stream.ops:

@@ -61,8 +61,8 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
         )
 
     async def Ledger(
-        self, request_iterator: AsyncIterator[dataproxy_pb2.LedgerRequest], context: Context
-    ) -> AsyncIterator[dataproxy_pb2.LedgerResponse]:
+        self, request_iterator: AsyncIterator[dataproxy_pb2.LedgerRequests], context: Context
+    ) -> AsyncIterator[dataproxy_pb2.LedgerResponses]:
         async for answer in self._ledger.serve(request_iterator):
             yield answer
 

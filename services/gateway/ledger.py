@@ -71,34 +71,37 @@ class _StreamLost(Exception):
 
 
 class _Stream:
-    """One open `DataProxy.Ledger` call: writes serialized, answers dispatched by id."""
+    """One open `DataProxy.Ledger` call: ops queued and written together, answers by id.
+
+    `ask` queues its op; one writer task sends everything queued as one `LedgerRequests`
+    (grpc.aio allows one write in flight per call, and a message costs the same whatever it
+    carries), so ops asked while a write is under way go together in the next one.
+    """
 
     def __init__(self, stub: DataProxyAsyncStub, ledger: LedgerClient) -> None:
         self._call: Any = stub.Ledger()
         self._ledger = ledger
         self._pending: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
-        # grpc.aio allows one write in flight per call.
-        self._write_lock = asyncio.Lock()
+        self._outbox: list[dataproxy_pb2.LedgerRequest] = []
+        self._queued = asyncio.Event()
+        self._closing = False
         self.alive = True
         self._reader = asyncio.create_task(self._read(), name="ledger-reader")
+        self._writer = asyncio.create_task(self._write(), name="ledger-writer")
 
     async def ask(
         self, request: dataproxy_pb2.LedgerRequest, timeout_s: float
     ) -> dataproxy_pb2.LedgerResponse:
         """The answer to `request`; _StreamLost when the stream broke first."""
+        if not self.alive or self._closing:
+            raise _StreamLost(_lost())
         answer: asyncio.Future[dataproxy_pb2.LedgerResponse]
         answer = asyncio.get_running_loop().create_future()
         self._pending[request.id] = answer
+        self._outbox.append(request)
+        self._queued.set()
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._write_lock:
-                    if not self.alive:
-                        raise _StreamLost(_lost())
-                    try:
-                        await self._call.write(request)
-                    except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
-                        self.alive = False
-                        raise _StreamLost(_error_of(err)) from None
                 return await answer
         except TimeoutError:
             raise UpstreamTimeout(
@@ -106,6 +109,25 @@ class _Stream:
             ) from None
         finally:
             self._pending.pop(request.id, None)
+            if answer.cancelled() and self._outbox:
+                # Given up (timed out, cancelled) before it was written: it is never sent.
+                self._outbox = [op for op in self._outbox if op is not request]
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                if not self._outbox:
+                    if self._closing:
+                        await self._call.done_writing()
+                        return
+                    await self._queued.wait()
+                    self._queued.clear()
+                    continue
+                batch = dataproxy_pb2.LedgerRequests(ops=self._outbox)
+                self._outbox = []
+                await self._call.write(batch)
+        except Exception as err:  # any broken write fails the waiting ops
+            self._fail(_error_of(err))
 
     async def _read(self) -> None:
         error = _lost()
@@ -114,31 +136,38 @@ class _Stream:
                 message = await self._call.read()
                 if message is grpc.aio.EOF:
                     break
-                if message.id == 0:
-                    if message.WhichOneof("result") == "weight_version":
-                        self._ledger.saw_version(message.weight_version)
-                    continue
-                waiter = self._pending.get(message.id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(message)
+                for answer in message.answers:
+                    if answer.id == 0:
+                        if answer.WhichOneof("result") == "weight_version":
+                            self._ledger.saw_version(answer.weight_version)
+                        continue
+                    waiter = self._pending.get(answer.id)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(answer)
         except grpc.aio.AioRpcError as err:
             error = _error_of(err)
         finally:
-            self.alive = False
-            for waiter in self._pending.values():
-                if not waiter.done():
-                    waiter.set_exception(_StreamLost(error))
+            self._fail(error)
+
+    def _fail(self, error: RollgateError) -> None:
+        """The stream broke: every op waiting on it fails (its caller retries on a new one)."""
+        self.alive = False
+        self._outbox = []
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(_StreamLost(error))
 
     async def close(self) -> None:
-        """Half-closes the stream, then stops reading."""
+        """Half-closes the stream (after what is queued is written), then stops reading."""
+        self._closing = True
+        self._queued.set()
         if self.alive:
-            with contextlib.suppress(Exception):
-                async with self._write_lock:
-                    await self._call.done_writing()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):
+                    await asyncio.shield(self._writer)
                     await asyncio.shield(self._reader)
         self._call.cancel()
+        await cancel_and_wait(self._writer)
         await cancel_and_wait(self._reader)
 
 

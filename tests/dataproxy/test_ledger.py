@@ -136,3 +136,79 @@ async def test_an_answer_carries_the_error_the_dataproxy_raised(chain: Chain) ->
         await chain.begin(chain.ledger, key_digest("sk-sess-" + "q" * 43))
     assert caught.value.http_status == 401
     assert "unknown session key" in caught.value.message
+
+
+class CountingStub:
+    """The dataproxy stub, with every message the gateway's ledger writes kept."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self.written: list[dataproxy_pb2.LedgerRequests] = []
+
+    def Ledger(self) -> Any:  # the stub's method name
+        call = self._stub.Ledger()
+        real_write = call.write
+
+        async def write(message: dataproxy_pb2.LedgerRequests) -> None:
+            self.written.append(message)
+            await real_write(message)
+
+        call.write = write
+        return call
+
+
+async def test_ops_asked_together_travel_in_one_message(chain: Chain) -> None:
+    digests = [await chain.start() for _ in range(6)]
+    counting = CountingStub(chain.dataproxy)
+    gateway = LedgerClient(counting)  # type: ignore[arg-type]
+    try:
+        admitted = await asyncio.gather(*(chain.begin(gateway, d) for d in digests))
+        assert [len(m.ops) for m in counting.written] == [6]
+        assert await chain.in_flight() == 6
+
+        recorded = await asyncio.gather(
+            *(chain.record(gateway, d, a.ticket) for d, a in zip(digests, admitted, strict=True))
+        )
+        assert [len(m.ops) for m in counting.written] == [6, 6]
+        assert recorded == ["chatcmpl-ledger"] * 6
+        for digest in digests:
+            assert [t["interaction_id"] for t in await chain.turns(digest)] == ["chatcmpl-ledger"]
+        assert await chain.in_flight() == 0
+    finally:
+        await gateway.close()
+
+
+async def test_each_op_of_a_message_gets_its_own_answer(chain: Chain) -> None:
+    digest = await chain.start()
+    call: Any = chain.dataproxy.Ledger()
+    try:
+        await call.write(
+            dataproxy_pb2.LedgerRequests(
+                ops=[
+                    dataproxy_pb2.LedgerRequest(
+                        id=7, timeout_s=5, begin=dataproxy_pb2.BeginTurn(key_digest=digest)
+                    ),
+                    dataproxy_pb2.LedgerRequest(
+                        id=8,
+                        timeout_s=5,
+                        begin=dataproxy_pb2.BeginTurn(key_digest=key_digest("sk-sess-" + "q" * 43)),
+                    ),
+                    dataproxy_pb2.LedgerRequest(
+                        id=9, timeout_s=5, release=dataproxy_pb2.ReleaseTurn(ticket=b"not one")
+                    ),
+                ]
+            )
+        )
+        answers: dict[int, dataproxy_pb2.LedgerResponse] = {}
+        async with asyncio.timeout(RPC_TIMEOUT_S):
+            while len(answers) < 3:
+                message = await call.read()
+                answers.update({a.id: a for a in message.answers if a.id != 0})
+    finally:
+        call.cancel()
+
+    assert answers[7].WhichOneof("result") == "admitted"
+    assert answers[7].admitted.ticket
+    assert b"unknown session key" in answers[8].error_json
+    assert b"ticket" in answers[9].error_json
+    await eventually(chain.in_flight, want=0, what="the lease of the cancelled stream released")
