@@ -204,7 +204,16 @@ async def login(request: web.Request) -> web.StreamResponse:
         return _page("login.html", status=400, error=NO_KEY_IN_URLS)
     if request.content_type not in ("application/x-www-form-urlencoded", "multipart/form-data"):
         return _page("login.html", status=400, error="send the login form")
-    form = await request.post()
+    try:
+        form = await request.post()
+    except (ValueError, LookupError):
+        # A multipart body without its boundary, a charset Python does not know, ...
+        return _page(
+            "login.html",
+            status=400,
+            error="The login form could not be read: send it as the page does "
+            "(application/x-www-form-urlencoded, UTF-8).",
+        )
     presented = form.get(LOGIN_FIELD)
     subject = await _login_subject(request, presented if isinstance(presented, str) else "")
     if subject is None:

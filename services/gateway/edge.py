@@ -25,12 +25,14 @@ from aiohttp.http_exceptions import (
     HttpProcessingError,
     InvalidURLError,
     LineTooLong,
+    PayloadEncodingError,
 )
 from aiohttp.streams import StreamReader
 
 from services.gateway.http_errors import (
     error_response,
     http_exception_response,
+    undecodable_body,
 )
 from services.gateway.messages_translate import error_body, is_messages_path
 from services.runtime.errors import InternalError, InvalidRequest, RollgateError, UpstreamTimeout
@@ -156,10 +158,14 @@ def parser_error(
             "(the limit is ROLLGATE_MAX_HEADER_BYTES)"
         )
     if isinstance(exc, ContentEncodingError):
-        return UnsupportedEncoding(
-            "this Content-Encoding cannot be decoded; send the body uncompressed, or "
-            "compressed with gzip or deflate"
-        )
+        # The parser decodes a body that arrived with its head: it fails on a codec it lacks
+        # (brotli, zstd: "Please install …") or on bytes not compressed as declared.
+        if "install" in exc.message:
+            return UnsupportedEncoding(
+                "this Content-Encoding cannot be decoded here; send the body uncompressed, or "
+                "compressed with gzip or deflate"
+            )
+        return undecodable_body()
     if isinstance(exc, InvalidURLError):
         part = "query string" if "query" in exc.message else "path"
         return InvalidRequest(
@@ -178,6 +184,12 @@ def _framing_error(message: str, *, max_headers: int) -> RollgateError:
     """Header and body-framing errors, by llhttp's description (its first line)."""
     described = message.split(":\n", 1)[0].strip()
     lowered = described.lower()
+    if "pri" in lowered.replace("/", " ").split():
+        # HTTP/2 with prior knowledge: its connection preface starts `PRI * HTTP/2.0`.
+        return VersionNotSupported(
+            "HTTP/2 is not served: speak HTTP/1.1 to the gateway (put an HTTP/2 proxy in front "
+            "for HTTP/2 clients)"
+        )
     if "too many headers" in lowered:
         return HeadersTooLarge(
             f"more than {max_headers} headers (the limit is ROLLGATE_MAX_HEADERS)"
@@ -427,6 +439,15 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
         if transport.can_write_eof():
             transport.write_eof()
         self._loop.call_later(_LINGER_AFTER_408_S, self.force_close)
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """aiohttp's unhandled-exception log, except for a body the client did not encode as
+        it said (found while draining it after the answer): a client mistake, not a crash."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError | PayloadEncodingError):
+            log.info("request_body_undecodable", error=type(exc).__name__)
+            return
+        super().log_exception(*args, **kwargs)
 
     def handle_error(
         self,

@@ -49,6 +49,15 @@ def sse_error_event(err: RollgateError) -> bytes:
     return b"data: " + orjson.dumps(err.to_json()) + b"\n\n"
 
 
+def undecodable_body() -> InvalidRequest:
+    """A body that is not compressed as its Content-Encoding says, or has broken chunks."""
+    return InvalidRequest(
+        "the request body could not be decoded: if it is sent with Content-Encoding, it "
+        "must be compressed that way (or drop the header); chunked bodies must be well-formed",
+        code="invalid_body_encoding",
+    )
+
+
 def method_not_allowed_message(method: str, path: str, allowed: set[str] | frozenset[str]) -> str:
     """What a 405 tells the client: the method it used, the path, and the methods to use instead."""
     methods = sorted(allowed)
@@ -97,14 +106,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         return http_exception_response(request, exc)
     except web.RequestPayloadError:
-        # The body could not be read: a Content-Encoding it does not have, broken chunks.
-        return error_response(
-            InvalidRequest(
-                "the request body could not be decoded: if it is sent with Content-Encoding, it "
-                "must be compressed that way; chunked bodies must be well-formed",
-                code="invalid_body_encoding",
-            )
-        )
+        # The body could not be read: a Content-Encoding it does not have, broken chunks. The
+        # rest of it cannot be framed either: the connection closes (aiohttp would otherwise
+        # drain it, hit the same error and log it as an unhandled exception).
+        response = error_response(undecodable_body())
+        response.force_close()
+        return response
     except Exception:
         log.exception("unhandled_error", path=request.path, method=request.method)
         return error_response(InternalError("internal error; see the gateway logs"))

@@ -35,6 +35,7 @@ from services.runtime.errors import (
     RollgateError,
     UpstreamError,
     UpstreamTimeout,
+    check_identifier,
     from_rpc_error,
 )
 from services.runtime.grpc_client import ChannelPool
@@ -84,6 +85,10 @@ class TurnSpec:
     tags: TurnTags = field(default_factory=TurnTags)
     # Streaming: text deltas instead of chat chunks (the Responses and WebSocket bridges).
     deltas_only: bool = False
+
+    def __post_init__(self) -> None:
+        # Every protocol's turn passes here: the model is bounded once for all of them.
+        check_identifier(self.model, "`model`")
 
     @property
     def route_key(self) -> str:

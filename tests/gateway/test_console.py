@@ -115,6 +115,22 @@ async def test_pages_need_a_login_and_the_login_needs_the_admin_key(console: Con
         assert status == 401
 
 
+async def test_a_login_form_that_cannot_be_read_is_a_400_login_page(console: Console) -> None:
+    body = f"admin_key={ADMIN_KEY}".encode()
+    for content_type in (
+        "multipart/form-data",  # no boundary
+        "multipart/form-data; boundary=zz",  # a boundary the body does not have
+        "application/x-www-form-urlencoded; charset=no-such-charset",
+    ):
+        status, headers, page = await console.post(
+            "/console/login", data=body, headers={"Content-Type": content_type}
+        )
+        assert status == 400, (content_type, page)
+        assert headers["Content-Type"].startswith("text/html"), content_type
+        assert "The login form could not be read" in page and "Set-Cookie" not in headers
+        assert ADMIN_KEY not in page
+
+
 async def test_a_key_in_a_url_is_refused_and_never_logs_in(console: Console) -> None:
     status, headers, body = await console.get(f"/console/login?admin_key={ADMIN_KEY}")
     assert status == 400 and "never put a key in a URL" in body

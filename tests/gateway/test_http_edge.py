@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gzip
+import logging
 import zlib
 from collections.abc import AsyncIterator
 
@@ -117,6 +118,11 @@ PARSER_CASES: dict[str, tuple[bytes, int, str]] = {
         b"POST /rl/set_reward HTTP/1.1\r\nHost: x\r\nContent-Encoding: bogus\r\nContent-Length: 2\r\n\r\n{}",
         415,
         "unsupported_content_encoding",
+    ),
+    "HTTP/2 connection preface": (
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        505,
+        "http_version_not_supported",
     ),
     "brotli (not decodable here)": (
         b"POST /rl/set_reward HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}",
@@ -259,6 +265,29 @@ async def test_a_body_that_is_not_compressed_as_declared_is_400(
     assert error["code"] == "invalid_body_encoding" and "Content-Encoding" in error["message"]
 
 
+@pytest.mark.parametrize("body", [b'{"reward":1}', b'{"reward": 1.0}'])
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
+async def test_a_body_sent_with_its_head_that_is_not_compressed_as_declared_is_400(
+    gateway_without_backends: Gateway,
+    encoding: bytes,
+    body: bytes,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # In one packet with its head, aiohttp's parser decodes the body (and refuses it) before
+    # the route reads it; it was 415 "send it compressed with gzip or deflate" there.
+    raw = (
+        b"POST /rl/set_reward HTTP/1.1\r\nHost: x\r\nContent-Encoding: " + encoding + b"\r\n"
+        b"Authorization: Bearer " + SESSION + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    for _ in range(5):
+        got, headers, answer = parse(await exchange(gateway_without_backends.server.port, raw))
+        assert got == 400, answer
+        message = assert_error_shape(headers, answer, "invalid_body_encoding")
+        assert "Content-Encoding" in message
+    # A client's mistake, not a crash: never logged as an unhandled exception.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 async def test_a_compressed_body_is_decoded(
     gateway_without_backends: Gateway, encoding: str
@@ -321,6 +350,11 @@ async def test_an_over_long_identifier_is_400_stating_the_limit(
         ),
         ("/v1/responses", {"model": huge, "input": "x"}, {}),
         ("/v1/responses", {"model": "m", "input": "x", "previous_response_id": huge}, {}),
+        (
+            "/v1/messages",
+            {"model": huge, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+            {},
+        ),
     ]
     for path, body, headers in cases:
         async with gateway_without_backends.http.post(
