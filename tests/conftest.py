@@ -55,7 +55,11 @@ def key_prefix() -> str:
 def no_key_in_any_log() -> Iterator[None]:
     """After the run: no key a test issued (nor any session key) in any real process's log."""
     yield
-    lines, leaks = scan(ISSUED)
-    assert not leaks, f"secrets in {len(leaks)} of {lines} log lines: " + "; ".join(
-        f"{leak.path.name}:{leak.line_number} has {leak.what}" for leak in leaks[:20]
+    scanned = scan(ISSUED)
+    assert not scanned.leaks, (
+        f"secrets in {len(scanned.leaks)} of {scanned.lines} log lines: "
+        + "; ".join(
+            f"{leak.path.name}:{leak.line_number} has {leak.what}" for leak in scanned.leaks[:20]
+        )
     )
+    assert not scanned.silent, f"no log line to scan in {scanned.silent[:5]}"

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.logs import get_logger
-from services.runtime.secret import scrub
+from services.runtime.secret import mask_addresses, scrub
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -37,18 +37,12 @@ FAILED_CALLS = frozenset({"Worker.Generate", "Worker.Complete", "Ledger.record"}
 STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
 # Messages are meant for clients, but the list is read by people who are not the client:
 # whatever looks like an address (a URL, host:port, an IP) is masked as well as secrets.
-_ADDRESS = re.compile(
-    r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+"
-    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b"
-    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b",
-    re.IGNORECASE,
-)
 _CODE = re.compile(r"[^a-z0-9_]")
 
 
 def clean_message(message: str) -> str:
     """`message` bounded, without secrets or addresses."""
-    return _ADDRESS.sub("<address>", scrub(message[: MESSAGE_CHARS * 2]))[:MESSAGE_CHARS]
+    return mask_addresses(scrub(message[: MESSAGE_CHARS * 2]))[:MESSAGE_CHARS]
 
 
 class ErrorLog:

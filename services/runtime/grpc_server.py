@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -104,6 +104,47 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # 
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(
+                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+            ) -> Any:
+                started = time.perf_counter()
+                try:
+                    # Each request of the stream is bounded by the servicer, per op: a stream
+                    # carries many turns, and one bad op must not end the others.
+                    async for item in inner_ss(requests, context):
+                        yield item
+                except Exception as err:
+                    await _abort(context, err, service=service, method=method)
+                finally:
+                    _log_rpc(method, started, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(
+                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+            ) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await inner_su(requests, context)
+                except Exception as err:
+                    await _abort(context, err, service=service, method=method)
+                finally:
+                    _log_rpc(method, started, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 
@@ -111,9 +152,16 @@ def check_request_strings(request: Any) -> None:
     """InvalidRequest naming the field when a request's string field is over the limit.
 
     Every string field of rollgate's requests is an identifier (ids, names, digests,
-    addresses); bodies travel as bytes. Checked here so no servicer echoes a huge one.
+    addresses); bodies travel as bytes. Checked here, nested messages included, so no servicer
+    echoes a huge one.
     """
     for field, value in request.ListFields():
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                continue  # no maps of strings in our protos
+            for message in value if field.is_repeated else (value,):
+                check_request_strings(message)
+            continue
         if field.type != FieldDescriptor.TYPE_STRING:
             continue
         values = value if field.is_repeated else (value,)

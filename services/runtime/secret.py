@@ -17,6 +17,17 @@ _SECRET_SHAPES = re.compile(
 )
 
 
+# Internal addresses, which a client must not see either: a URL, an IPv4 address (and port), a
+# host:port.
+_ADDRESS_SHAPES = re.compile(
+    r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+"
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b"
+    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b",
+    re.IGNORECASE,
+)
+ADDRESS_MASK = "<address>"
+
+
 class Secret:
     """A string that never shows itself: `str`, `repr` and `format` are masked.
 
@@ -90,6 +101,11 @@ def scrub(text: str, known: Iterable[str] = ()) -> str:
         if value and value in text:
             text = text.replace(value, MASK)
     return _SECRET_SHAPES.sub(_mask_match, text)
+
+
+def mask_addresses(text: str) -> str:
+    """`text` with every URL, IP address and host:port masked."""
+    return _ADDRESS_SHAPES.sub(ADDRESS_MASK, text)
 
 
 def _mask_match(match: re.Match[str]) -> str:

@@ -33,6 +33,7 @@ from services.worker.upstream import (
     UpstreamClient,
     UpstreamRequest,
     build_upstream_request,
+    upstream_text,
 )
 
 log = get_logger(__name__)
@@ -71,7 +72,9 @@ def _parse_chunk(payload: bytes) -> dict[str, Any]:
         raise UpstreamError("the upstream streamed a chunk that is not a JSON object")
     if isinstance(chunk.get("error"), dict):
         # vLLM reports errors raised after the stream started as one `data: {"error": ...}` event.
-        raise UpstreamError(f"the upstream failed mid-stream: {chunk['error'].get('message', '')}")
+        message = chunk["error"].get("message", "")
+        log.warning("upstream_failed_mid_stream", message=str(message))
+        raise UpstreamError(f"the upstream failed mid-stream: {upstream_text(str(message))}")
     return chunk
 
 

@@ -23,7 +23,7 @@ from services.runtime.errors import (
     UpstreamTimeout,
 )
 from services.runtime.logs import get_logger
-from services.runtime.secret import Secret
+from services.runtime.secret import Secret, mask_addresses, scrub
 from services.worker.turn import ClientAsk
 
 log = get_logger(__name__)
@@ -238,11 +238,22 @@ class SseParser:
         return events
 
 
-def _error_message(body: bytes) -> str:
+# How much of an upstream's own error text a client is told.
+UPSTREAM_TEXT_CHARS = 500
+
+
+def upstream_text(text: str) -> str:
+    """An upstream's own words (its error message), fit to pass on to a client: bounded, and
+    without secrets or internal addresses (a proxy's or engine's error text can name the URL
+    it called, an IP, a key). The worker's log keeps the text as it came."""
+    return mask_addresses(scrub(text[: UPSTREAM_TEXT_CHARS * 2].strip()))[:UPSTREAM_TEXT_CHARS]
+
+
+def _error_text(body: bytes) -> str:
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body.decode(errors="replace").strip()[:500]
+        return body.decode(errors="replace")
     if isinstance(parsed, dict):
         error = parsed.get("error", parsed)
         if isinstance(error, dict) and isinstance(error.get("message"), str):
@@ -251,7 +262,7 @@ def _error_message(body: bytes) -> str:
             return error
         if isinstance(parsed.get("detail"), str):
             return str(parsed["detail"])
-    return body.decode(errors="replace").strip()[:500]
+    return body.decode(errors="replace")
 
 
 def _retry_after_s(headers: CIMultiDictProxy[str]) -> float | None:
@@ -271,7 +282,11 @@ def error_for_status(
     key_var: str = "ROLLGATE_UPSTREAM_API_KEY",
 ) -> RollgateError:
     """The rollgate error for an upstream HTTP error answer (never echoing the key)."""
-    message = _error_message(body)
+    raw = _error_text(body)
+    message = upstream_text(raw)
+    if status not in (401, 403):
+        # The upstream's words as they came (URLs, addresses) are the operator's to read.
+        log.warning("upstream_error_answer", status=status, url=url, message=raw[:2000])
     if status in (401, 403):
         return UpstreamError(
             f"the upstream rejected the server's API key (check {key_var})",
@@ -279,7 +294,7 @@ def error_for_status(
         )
     if status == 404:
         # The URL is the operator's to see (the worker's log), not the client's.
-        log.warning("upstream_not_found", url=url, message=message)
+        log.warning("upstream_not_found", url=url, message=raw[:2000])
         return UpstreamError(
             f"the upstream answered 404 ({message}): either the model id is not served there "
             "(compare it with the upstream's GET …/models) or the worker's base URL is wrong: "

@@ -53,17 +53,32 @@ class Leak:
     what: str
 
 
-def scan(issued: IssuedSecrets) -> tuple[int, list[Leak]]:
-    """(lines scanned, leaks) over every file of every watched directory."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scan:
+    """What the scan read and found."""
+
+    lines: int
+    leaks: list[Leak]
+    # Watched directories with no log line at all: a scan of them proves nothing (the logs
+    # went elsewhere, or were never written), so the run fails on them too.
+    silent: list[Path]
+
+
+def scan(issued: IssuedSecrets) -> Scan:
+    """Every line of every file of every watched directory, checked for every secret."""
     lines = 0
     leaks: list[Leak] = []
+    silent: list[Path] = []
     for log_dir in sorted(issued.log_dirs):
+        before = lines
         for path in sorted(p for p in log_dir.rglob("*") if p.is_file()):
             text = path.read_text(errors="replace")
             for number, line in enumerate(text.splitlines(), start=1):
                 lines += 1
                 leaks.extend(_leaks_in(line, issued, path, number))
-    return lines, leaks
+        if lines == before:
+            silent.append(log_dir)
+    return Scan(lines=lines, leaks=leaks, silent=silent)
 
 
 def _leaks_in(line: str, issued: IssuedSecrets, path: Path, number: int) -> list[Leak]:

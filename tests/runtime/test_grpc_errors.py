@@ -9,7 +9,7 @@ import grpc
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from protos import router_pb2
+from protos import dataproxy_pb2, router_pb2
 from services.runtime.errors import (
     ERROR_METADATA_KEY,
     MAX_ERROR_MESSAGE_CHARS,
@@ -21,7 +21,12 @@ from services.runtime.errors import (
     from_rpc_error,
 )
 from services.runtime.grpc_client import open_channel
-from services.runtime.grpc_server import MAX_RPC_STRING_CHARS, GrpcServer, ServerSpec
+from services.runtime.grpc_server import (
+    MAX_RPC_STRING_CHARS,
+    GrpcServer,
+    ServerSpec,
+    check_request_strings,
+)
 
 SERVICE = "rollgate.test.Probe"
 HUGE = "x" * 16_384
@@ -49,6 +54,26 @@ async def _stream(
     raise Unavailable("between episodes", retry_after_s=1.0)
 
 
+async def _bidi(
+    requests: AsyncIterator[router_pb2.RouteRequest], context: Any
+) -> AsyncIterator[router_pb2.RouteResponse]:
+    async for request in requests:
+        if request.model == "redis":
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379.")
+        if request.model == "crash":
+            raise ValueError("internal detail at 10.0.0.7:50052")
+        yield router_pb2.RouteResponse(worker_id=request.model)
+
+
+async def _client_stream(
+    requests: AsyncIterator[router_pb2.RouteRequest], context: Any
+) -> router_pb2.RouteResponse:
+    async for request in requests:
+        if request.model == "limit":
+            raise TooManyRequests("capacity reached", retry_after_s=2.0)
+    return router_pb2.RouteResponse(worker_id="done")
+
+
 @pytest.fixture
 async def probe() -> AsyncIterator[grpc.aio.Channel]:
     handlers = {
@@ -59,6 +84,16 @@ async def probe() -> AsyncIterator[grpc.aio.Channel]:
         ),
         "Stream": grpc.unary_stream_rpc_method_handler(
             _stream,
+            request_deserializer=router_pb2.RouteRequest.FromString,
+            response_serializer=router_pb2.RouteResponse.SerializeToString,
+        ),
+        "Bidi": grpc.stream_stream_rpc_method_handler(
+            _bidi,
+            request_deserializer=router_pb2.RouteRequest.FromString,
+            response_serializer=router_pb2.RouteResponse.SerializeToString,
+        ),
+        "ClientStream": grpc.stream_unary_rpc_method_handler(
+            _client_stream,
             request_deserializer=router_pb2.RouteRequest.FromString,
             response_serializer=router_pb2.RouteResponse.SerializeToString,
         ),
@@ -166,3 +201,52 @@ async def test_a_successful_call_passes_through(probe: grpc.aio.Channel) -> None
     )
     reply = await call(router_pb2.RouteRequest(model="ok", session="abc"), timeout=10)
     assert (reply.worker_id, reply.address) == ("w", "abc")
+
+
+async def _bidi_error(channel: grpc.aio.Channel, *models: str) -> grpc.aio.AioRpcError:
+    call = channel.stream_stream(
+        f"/{SERVICE}/Bidi",
+        request_serializer=router_pb2.RouteRequest.SerializeToString,
+        response_deserializer=router_pb2.RouteResponse.FromString,
+    )(timeout=10)
+    for model in models:
+        await call.write(router_pb2.RouteRequest(model=model))
+    await call.done_writing()
+    assert (await call.read()).worker_id == models[0]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    return caught.value
+
+
+async def test_streaming_rpcs_in_both_directions_get_the_same_mapping(
+    probe: grpc.aio.Channel,
+) -> None:
+    # A bidi stream (the dataproxy's Ledger is one) and a client stream: the one interceptor
+    # maps their errors too (they reached the client as UNKNOWN "Unexpected <class …>").
+    redis = from_rpc_error(await _bidi_error(probe, "ok", "redis"), hop="probe")
+    assert isinstance(redis, Unavailable) and redis.code == "state_store_unavailable"
+    crash = await _bidi_error(probe, "ok", "crash")
+    assert crash.code() == grpc.StatusCode.INTERNAL
+    assert "10.0.0.7" not in (crash.details() or "") and "ValueError" not in (crash.details() or "")
+    assert isinstance(from_rpc_error(crash, hop="probe"), InternalError)
+
+    call = probe.stream_unary(
+        f"/{SERVICE}/ClientStream",
+        request_serializer=router_pb2.RouteRequest.SerializeToString,
+        response_deserializer=router_pb2.RouteResponse.FromString,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(iter([router_pb2.RouteRequest(model="limit")]), timeout=10)
+    limited = from_rpc_error(caught.value, hop="probe")
+    assert isinstance(limited, TooManyRequests) and limited.retry_after_s == 2.0
+    reply = await call(iter([router_pb2.RouteRequest(model="ok")]), timeout=10)
+    assert reply.worker_id == "done"
+
+
+def test_nested_request_strings_are_bounded_too() -> None:
+    nested = dataproxy_pb2.LedgerRequest(begin=dataproxy_pb2.BeginTurn(session_id=HUGE))
+    with pytest.raises(InvalidRequest, match="session_id is 16384 characters long"):
+        check_request_strings(nested)
+    check_request_strings(
+        dataproxy_pb2.LedgerRequest(begin=dataproxy_pb2.BeginTurn(session_id="s"))
+    )

@@ -128,10 +128,23 @@ def test_the_log_scan_finds_registered_keys_and_any_session_key(tmp_path: Path) 
     issued.add(ADMIN, "")
     issued.add_env({"ROLLGATE_TRAINER_KEY": TRAINER, "ROLLGATE_UPSTREAM_API_KEY_VAR": "NAME"})
     issued.watch(logs)
-    lines, leaks = scan(issued)
-    assert lines == 5
-    assert sorted((leak.path.name, leak.line_number) for leak in leaks) == [
+    scanned = scan(issued)
+    assert scanned.lines == 5 and scanned.silent == []
+    assert sorted((leak.path.name, leak.line_number) for leak in scanned.leaks) == [
         ("gateway.log", 2),
         ("worker.log", 1),
     ]
     assert issued.values == {ADMIN, TRAINER}
+
+
+def test_the_log_scan_reports_a_watched_directory_without_a_line(tmp_path: Path) -> None:
+    issued = IssuedSecrets()
+    (tmp_path / "written").mkdir()
+    (tmp_path / "written" / "gateway.log").write_text('{"event": "ok"}\n')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "worker.log").write_text("")
+    for name in ("written", "empty", "never-created"):
+        issued.watch(tmp_path / name)
+    scanned = scan(issued)
+    assert scanned.lines == 1 and not scanned.leaks
+    assert scanned.silent == [tmp_path / "empty", tmp_path / "never-created"]

@@ -19,6 +19,7 @@ from services.worker.turn import (
     client_chunk,
     client_completion,
 )
+from services.worker.turns import _parse_chunk
 from services.worker.upstream import (
     SseParser,
     build_upstream_request,
@@ -412,6 +413,30 @@ def test_error_mapping() -> None:
     bad = error_for_status(400, body, headers(), url=url)
     assert isinstance(bad, InvalidRequest) and "model 'x' does not exist" in bad.message
     assert isinstance(error_for_status(503, b"<html>", headers(), url=url), UpstreamError)
+
+
+def test_an_upstream_error_text_reaches_the_client_without_addresses_or_secrets() -> None:
+    url = "http://10.1.2.3:8000/v1/chat/completions"
+    said = (
+        "litellm.APIConnectionError: cannot reach http://10.9.8.7:8001/v1/chat/completions "
+        "(vllm-0.internal:8000, 172.16.0.4) with Authorization: Bearer sk-live-0123456789abcdef "
+        "for sk-sess-" + "A" * 43 + ": the model is overloaded"
+    )
+    leaks = ("10.9.8.7", "vllm-0.internal", "172.16.0.4", "sk-live-0123", "sk-sess-AAAA", url)
+    for status in (400, 404, 429, 500, 503):
+        for body in (orjson.dumps({"error": {"message": said}}), said.encode()):
+            with structlog.testing.capture_logs() as logged:
+                error = error_for_status(status, body, headers(), url=url)
+            assert "the model is overloaded" in error.message, (status, error.message)
+            assert "<address>" in error.message
+            assert not [leak for leak in leaks if leak in error.message], (status, error.message)
+            # The operator's log keeps what the upstream said, and the URL called.
+            assert any(e.get("url") == url and "10.9.8.7" in e["message"] for e in logged)
+    # The same text, streamed after the first token (vLLM's `data: {"error": ...}`).
+    with pytest.raises(UpstreamError) as failed:
+        _parse_chunk(orjson.dumps({"error": {"message": said}}))
+    assert "the model is overloaded" in failed.value.message
+    assert not [leak for leak in leaks if leak in failed.value.message], failed.value.message
 
 
 def test_a_404_logs_the_url_called_and_points_at_the_documented_base_url_and_model() -> None:
