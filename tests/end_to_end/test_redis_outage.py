@@ -4,6 +4,7 @@ and no answered turn lost."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,3 +164,76 @@ def test_a_redis_outage_is_503_with_retry_after_and_loses_no_answered_turn(
     missing = set(load.answered) - set(recorded)
     assert not missing, f"{len(missing)} of {len(load.answered)} answered turns were lost"
     assert len(recorded) == len(set(recorded)), "a turn was recorded twice"
+
+
+# A Redis that hangs (SIGSTOP: a partition, a stuck fork) rather than refusing connections.
+HUNG_ROUTES: list[tuple[str, str, str, Any]] = [
+    ("POST", "/v1/chat/completions", "session", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/chat/completions", "session", {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/responses", "session", {"model": MODEL, "input": "hi"}),
+    ("POST", "/v1/messages", "session", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/rl/set_reward", "session", {"reward": 1.0}),
+    ("POST", "/rl/end_session", "session", {}),
+    ("POST", "/rl/start_session", "admin", {}),
+    ("POST", "/rl/keys", "admin", {"mode": "header"}),
+    ("GET", "/rl/keys", "admin", None),
+    ("GET", "/v1/models", "session", None),
+    ("GET", "/console/api/overview", "admin", None),
+]  # fmt: skip
+# The gateway's own deadline for an RPC (GatewaySettings.rpc_timeout_s): the dataproxy must
+# name the hung store before it, not leave the gateway to time out on the dataproxy.
+RPC_DEADLINE_S = 5.0
+
+
+async def _hung_answers(stack: Stack, session_key: str) -> list[tuple[str, int, str, Any, float]]:
+    keys = {"session": session_key, "admin": stack.config.admin_key}
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for method, path, who, body in HUNG_ROUTES:
+            started = asyncio.get_running_loop().time()
+            async with http.request(
+                method,
+                stack.gateway_url + path,
+                json=body,
+                headers={"Authorization": f"Bearer {keys[who]}"},
+                timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S),
+            ) as resp:
+                raw = await resp.read()
+                took = asyncio.get_running_loop().time() - started
+                answers.append((path, resp.status, resp.headers.get("Retry-After", ""), raw, took))
+    return answers
+
+
+def test_a_hung_redis_is_503_state_store_unavailable_on_every_route_within_the_rpc_deadline(
+    redis_and_stack: tuple[RedisServer, Stack],
+) -> None:
+    redis, stack = redis_and_stack
+    assert redis.process is not None
+
+    async def start() -> str:
+        async with aiohttp.ClientSession() as http:
+            status, _, raw = await _post(
+                http, stack, "/rl/start_session", stack.config.admin_key, {}
+            )
+            assert status == 200, raw
+            return str(orjson.loads(raw)["api_key"])
+
+    key = asyncio.run(start())
+    redis.process.send_signal(signal.SIGSTOP)
+    try:
+        answers = asyncio.run(_hung_answers(stack, key))
+    finally:
+        redis.process.send_signal(signal.SIGCONT)
+    for path, status, retry_after, raw, took in answers:
+        error = orjson.loads(raw)["error"]
+        assert (status, error["code"]) == (503, "state_store_unavailable"), (path, status, raw)
+        assert retry_after and "state store unavailable" in error["message"], (path, raw)
+        assert took < RPC_DEADLINE_S, (path, took)
+
+    async def recovered() -> bool:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "back?"}]}
+            status, _, _ = await _post(http, stack, "/v1/chat/completions", key, body)
+            return status == 200
+
+    asyncio.run(eventually(recovered, timeout_s=PHASE_DEADLINE_S, what="a chat after SIGCONT"))
