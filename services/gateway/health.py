@@ -141,12 +141,19 @@ async def health(request: web.Request) -> web.Response:
     return json_response({"status": "ok", "workers": request.app[LIVE_WORKERS].count})
 
 
+def _rpc_problem(what: str, err: grpc.aio.AioRpcError) -> str:
+    """What /ready says about a failed call: the status, never its details (they name internal
+    addresses: 'ipv4:10.0.0.7:50051: Connection refused'), which go to the log."""
+    log.info("ready_check_failed", what=what, code=err.code().name, details=err.details())
+    return f"{what}: {err.code().name}; see the gateway's log"
+
+
 async def _check_serving(stub: Any, timeout_s: float) -> str | None:
     """None when the peer's health service says SERVING, else what is wrong."""
     try:
         response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
     except grpc.aio.AioRpcError as err:
-        return f"health check failed: {err.code().name}: {err.details()}"
+        return _rpc_problem("health check failed", err)
     if response.status != health_pb2.HealthCheckResponse.SERVING:
         return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
     return None
@@ -158,7 +165,7 @@ async def _count_live_workers(request: web.Request, timeout_s: float) -> tuple[i
             router_pb2.ListWorkersRequest(), timeout=timeout_s
         )
     except grpc.aio.AioRpcError as err:
-        return 0, f"cannot list workers: {err.code().name}: {err.details()}"
+        return 0, _rpc_problem("cannot list workers", err)
     live = sum(1 for worker in response.workers if worker.live)
     request.app[LIVE_WORKERS].record(live)
     return live, None if live else "no live worker is registered with the router"

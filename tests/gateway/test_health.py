@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+import orjson
 import pytest
 
 from services.gateway.app import GatewayServer
@@ -57,6 +58,10 @@ async def test_ready_is_503_naming_every_missing_part(gateway_without_backends: 
     assert body["status"] == "not_ready"
     assert body["missing"] == ["dataproxy", "router", "workers"]
     assert "UNAVAILABLE" in body["detail"]["router"]
+    # Public (load balancers probe it): never an internal address or an RPC's details.
+    text = orjson.dumps(body).decode()
+    for internal in (gateway.settings.router_addr, "127.0.0.1", "ipv4", "Connection refused"):
+        assert internal not in text, text
 
 
 async def test_metrics_count_requests_by_route_and_status(
