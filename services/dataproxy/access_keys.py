@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from services.dataproxy import scripts
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.scripts import LuaScript
 from services.runtime.errors import InvalidRequest
 from services.runtime.keys import ACCESS_KEY_PREFIXES, key_digest, key_id_of, new_access_key
 from services.runtime.logs import get_logger
@@ -49,7 +49,7 @@ class AccessKeyStore:
     def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._revoke = LuaScript.load("revoke_access_key")
+        self._revoke = scripts.load("revoke_access_key")
 
     async def issue(self, *, kind: str, label: str = "") -> tuple[str, AccessKeyInfo]:
         """A new key of `kind` ("admin" or "trainer") and what is stored about it."""

@@ -22,6 +22,7 @@ from services.dataproxy.revocation import SessionKeyRevoker
 from services.runtime.errors import Conflict, InvalidRequest, NotFound
 from services.runtime.keys import key_id_of
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import LuaScript
 
 log = get_logger(__name__)
 
@@ -30,111 +31,6 @@ STATE_TTL_S = 30 * 24 * 3600
 MAX_LEASE_MS = 15 * 60 * 1000
 MAX_RUN_CLAIM_MS = 7 * 24 * 3600 * 1000
 MAX_NAME_LEN = 512
-
-# Lua: `unpack` is bounded by the C stack, so pushes go in batches.
-_PUSH_ALL = """
-local function push_all(key, items, from)
-  local n = redis.call('LLEN', key)
-  for i = from, #items, 500 do
-    n = redis.call('RPUSH', key, unpack(items, i, math.min(i + 499, #items)))
-  end
-  return n
-end
-"""
-
-_GET_MESSAGES = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
-local total = redis.call('LLEN', KEYS[2])
-local limit = tonumber(ARGV[1])
-local start = 0
-if limit > 0 and total > limit then start = total - limit end
-local out = {'ok', total}
-for _, m in ipairs(redis.call('LRANGE', KEYS[2], start, -1)) do out[#out + 1] = m end
-return out
-"""
-
-_APPEND_MESSAGES = (
-    _PUSH_ALL
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
-if ARGV[1] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[1] then return {'not_holder', 0} end
-local n = push_all(KEYS[2], ARGV, 3)
-if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
-return {'ok', n}
-"""
-)
-
-_RESET = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
-local n = redis.call('LLEN', KEYS[2])
-redis.call('DEL', KEYS[2])
-return {'ok', n}
-"""
-
-_ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
-local holder = redis.call('GET', KEYS[2])
-if holder == false or holder == ARGV[1] then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-  return {'granted', 0}
-end
-return {'held', redis.call('PTTL', KEYS[2])}
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
-
-# KEYS: key hash, new response hash, parent response hash, new chain list.
-# ARGV: parent id, ttl_s, response json, items...
-_PUT_RESPONSE = (
-    _PUSH_ALL
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', 0} end
-local chain = KEYS[4]
-if ARGV[1] ~= '' then
-  local parent = redis.call('HMGET', KEYS[3], 'chain', 'chain_len')
-  if parent[1] == false then return {'parent_not_found', 0} end
-  local parent_len = tonumber(parent[2])
-  if redis.call('LLEN', parent[1]) == parent_len then
-    chain = parent[1]
-  else
-    redis.call('DEL', chain)
-    push_all(chain, redis.call('LRANGE', parent[1], 0, parent_len - 1), 1)
-  end
-end
-local n = push_all(chain, ARGV, 4)
-redis.call('HSET', KEYS[2], 'response', ARGV[3], 'parent', ARGV[1], 'chain', chain,
-  'chain_len', n)
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('EXPIRE', chain, ARGV[2])
-return {'ok', n}
-"""
-)
-
-# KEYS: key hash, run claim. ARGV: run id, ttl_ms.
-_CLAIM_RUN = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key', ''} end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'claimed', ARGV[1]} end
-return {'taken', redis.call('GET', KEYS[2])}
-"""
-
-_GET_RESPONSE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown_key'} end
-local r = redis.call('HMGET', KEYS[2], 'response', 'chain', 'chain_len')
-if r[1] == false then return {'not_found'} end
-local out = {'ok', r[1]}
-if ARGV[1] == '1' then
-  for _, item in ipairs(redis.call('LRANGE', r[2], 0, tonumber(r[3]) - 1)) do
-    out[#out + 1] = item
-  end
-end
-return out
-"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,14 +81,14 @@ class ConversationStore:
     def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._get_messages = redis.register_script(_GET_MESSAGES)
-        self._append = redis.register_script(_APPEND_MESSAGES)
-        self._reset = redis.register_script(_RESET)
-        self._acquire = redis.register_script(_ACQUIRE)
-        self._release = redis.register_script(_RELEASE)
-        self._put_response = redis.register_script(_PUT_RESPONSE)
-        self._get_response = redis.register_script(_GET_RESPONSE)
-        self._claim_run = redis.register_script(_CLAIM_RUN)
+        self._get_messages = LuaScript.load("services.dataproxy", "get_messages")
+        self._append = LuaScript.load("services.dataproxy", "append_messages")
+        self._reset = LuaScript.load("services.dataproxy", "reset_conversation")
+        self._acquire = LuaScript.load("services.dataproxy", "acquire_turn_lease")
+        self._release = LuaScript.load("services.dataproxy", "release_turn_lease")
+        self._put_response = LuaScript.load("services.dataproxy", "put_response")
+        self._get_response = LuaScript.load("services.dataproxy", "get_response")
+        self._claim_run = LuaScript.load("services.dataproxy", "claim_run")
         self._revoker = SessionKeyRevoker(redis=redis, keys=keys)
 
     async def _raise_for(self, reply: list[Any], digest: str) -> None:
@@ -211,14 +107,16 @@ class ConversationStore:
     async def messages(self, digest: str, name: str, *, limit: int) -> Messages:
         """The last `limit` messages (all when limit <= 0), oldest first."""
         key, conv, _ = self._conv_keys(digest, name)
-        reply = await self._get_messages(keys=[key, conv], args=[limit])
+        reply = await self._get_messages.run(self._redis, keys=[key, conv], args=[limit])
         await self._raise_for(reply, digest)
         return Messages(messages=list(reply[2:]), total=int(reply[1]))
 
     async def append(self, digest: str, name: str, *, messages: list[bytes], holder: str) -> int:
         """Appends messages (checking the lease when `holder` is set); the new total."""
         key, conv, lease = self._conv_keys(digest, name)
-        reply = await self._append(keys=[key, conv, lease], args=[holder, STATE_TTL_S, *messages])
+        reply = await self._append.run(
+            self._redis, keys=[key, conv, lease], args=[holder, STATE_TTL_S, *messages]
+        )
         if _status(reply) == "not_holder":
             raise Conflict(
                 "this run no longer holds the conversation's turn lease", code="lease_lost"
@@ -229,7 +127,7 @@ class ConversationStore:
     async def reset(self, digest: str, name: str) -> int:
         """Drops the conversation's history; how many messages it held."""
         key, conv, _ = self._conv_keys(digest, name)
-        reply = await self._reset(keys=[key, conv])
+        reply = await self._reset.run(self._redis, keys=[key, conv])
         await self._raise_for(reply, digest)
         log.info("conversation_reset", key_id=key_id_of(digest), dropped=int(reply[1]))
         return int(reply[1])
@@ -240,7 +138,7 @@ class ConversationStore:
         if not 0 < lease_ms <= MAX_LEASE_MS:
             raise InvalidRequest(f"lease_ms must be in 1..{MAX_LEASE_MS}")
         key, _, lease = self._conv_keys(digest, name)
-        reply = await self._acquire(keys=[key, lease], args=[holder, lease_ms])
+        reply = await self._acquire.run(self._redis, keys=[key, lease], args=[holder, lease_ms])
         await self._raise_for(reply, digest)
         if _status(reply) == "granted":
             return Lease(granted=True, retry_after_ms=0)
@@ -249,7 +147,7 @@ class ConversationStore:
     async def release(self, digest: str, name: str, *, holder: str) -> bool:
         """Releases the lease if `holder` still holds it."""
         _, _, lease = self._conv_keys(digest, name)
-        return bool(await self._release(keys=[lease], args=[holder]))
+        return bool(await self._release.run(self._redis, keys=[lease], args=[holder]))
 
     async def claim_run(
         self, digest: str, name: str, *, idempotency_key: str, run_id: str, ttl_ms: int
@@ -261,7 +159,7 @@ class ConversationStore:
             raise InvalidRequest(f"ttl_ms must be in 1..{MAX_RUN_CLAIM_MS}")
         key, _, _ = self._conv_keys(digest, name)
         claim = self._keys.conversation_run(key_id_of(digest), name, idempotency_key)
-        reply = await self._claim_run(keys=[key, claim], args=[run_id, ttl_ms])
+        reply = await self._claim_run.run(self._redis, keys=[key, claim], args=[run_id, ttl_ms])
         await self._raise_for(reply, digest)
         first = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         return RunClaim(claimed=_status(reply) == "claimed", run_id=first)
@@ -278,7 +176,8 @@ class ConversationStore:
         """Stores a response after its parent; the length of its chain."""
         _check_name(response_id, "the response id")
         key_id = key_id_of(digest)
-        reply = await self._put_response(
+        reply = await self._put_response.run(
+            self._redis,
             keys=[
                 self._keys.key(digest),
                 self._keys.response(key_id, response_id),
@@ -297,7 +196,8 @@ class ConversationStore:
     ) -> StoredResponse:
         """A stored response (NotFound `previous_response_not_found` when unknown)."""
         _check_name(response_id, "the response id")
-        reply = await self._get_response(
+        reply = await self._get_response.run(
+            self._redis,
             keys=[self._keys.key(digest), self._keys.response(key_id_of(digest), response_id)],
             args=["1" if include_chain else "0"],
         )

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from services.dataproxy.overview import Counters, Overview
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import LuaScript
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -22,16 +23,6 @@ log = get_logger(__name__)
 DEFAULT_INTERVAL_S = 10.0
 # 24 hours of 10-second points is 8,640 snapshots of ~300 bytes.
 KEEP_S = 24 * 3600.0
-
-# One snapshot per interval over all replicas: whoever moves the slot first writes it.
-_WRITE_LUA = """
-local slot = tonumber(ARGV[1])
-if tonumber(redis.call('GET', KEYS[2]) or '-1') >= slot then return 0 end
-redis.call('SET', KEYS[2], ARGV[1])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4])
-return 1
-"""
 
 
 def snapshot(counters: Counters, now: float) -> dict[str, float]:
@@ -67,10 +58,11 @@ class HistorySampler:
         overview: Overview,
         interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
+        self._redis = redis
         self._keys = keys
         self._overview = overview
         self._interval_s = interval_s
-        self._script = redis.register_script(_WRITE_LUA)
+        self._script = LuaScript.load("services.dataproxy", "write_history")
         self._task: asyncio.Task[None] | None = None
 
     async def sample_once(self, now: float | None = None) -> bool:
@@ -78,7 +70,8 @@ class HistorySampler:
         now = time.time() if now is None else now
         counters = await self._overview.counters()
         slot = int(now // self._interval_s)
-        written = await self._script(
+        written = await self._script.run(
+            self._redis,
             keys=[self._keys.history, self._keys.history_slot],
             args=[slot, repr(now), orjson.dumps(snapshot(counters, now)), repr(now - KEEP_S)],
         )

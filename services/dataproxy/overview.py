@@ -16,28 +16,9 @@ from redis.exceptions import ResponseError
 
 from services.dataproxy.control import UNLIMITED, CapacityPolicy, capacity_left
 from services.dataproxy.redis_keys import RedisKeys
+from services.runtime.redis_scripts import LuaScript
 
 READ_TIMEOUT_S = 5.0
-
-# Per consumer group, in one round trip: pending entries, last delivered id, consumers, the
-# oldest pending id and the first id not yet delivered (only ids leave the script).
-_GROUPS_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, {}} end
-local out = {}
-for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local f = {}
-  for i = 1, #group, 2 do f[group[i]] = group[i + 1] end
-  local oldest = ''
-  if tonumber(f['pending']) > 0 then
-    oldest = redis.call('XPENDING', KEYS[1], f['name'])[2]
-  end
-  local after = redis.call('XRANGE', KEYS[1], '(' .. f['last-delivered-id'], '+', 'COUNT', 1)[1]
-  local nxt = ''
-  if after then nxt = after[1] end
-  table.insert(out, {f['name'], f['pending'], f['last-delivered-id'], f['consumers'], oldest, nxt})
-end
-return {redis.call('XLEN', KEYS[1]), out}
-"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +115,7 @@ class Overview:
         self._redis = redis
         self._keys = keys
         self._policy = policy
-        self._groups = redis.register_script(_GROUPS_LUA)
+        self._groups = LuaScript.load("services.dataproxy", "stream_groups")
 
     async def counters(self) -> Counters:
         """Stats, control state and the stream's consumer groups."""
@@ -148,7 +129,7 @@ class Overview:
             pipe.zcount(keys.in_flight, f"({time.time()!r}", "+inf")
             pipe.zcard(keys.awaiting_reward)
             stats, version, grants, paused, running, awaiting = await pipe.execute()
-            length, groups = await self._groups(keys=[keys.trajectories])
+            length, groups = await self._groups.run(self._redis, keys=[keys.trajectories])
         fields = {_text(k): _number(v) for k, v in stats.items()}
         published = int(fields.get("published", 0))
         open_episodes = int(fields.get("open_episodes", 0))

@@ -14,9 +14,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from services.dataproxy import scripts
 from services.dataproxy.access_keys import AccessKeyStore, RevokedKey
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
-from services.dataproxy.scripts import LuaScript
 from services.runtime.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from services.runtime.keys import key_id_of, looks_like_key_id
 from services.runtime.logs import get_logger
@@ -39,7 +39,7 @@ class SessionKeyRevoker:
     def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._script = LuaScript.load("revoke_key")
+        self._script = scripts.load("revoke_key")
 
     async def refusal(self, digest: str) -> Unauthenticated:
         """The error for a digest with no key hash: revoked, or never issued here."""

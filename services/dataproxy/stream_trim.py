@@ -19,44 +19,12 @@ from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import LuaScript
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
 DEFAULT_INTERVAL_S = 30.0
-
-# KEYS[1] the stream; ARGV[1] max length when there is no group (0: never trim then).
-# Returns {entries trimmed, the MINID used ('' when none), mode: 'groups' | 'maxlen' | ''}.
-_TRIM_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '', ''} end
-local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then
-  local max_len = tonumber(ARGV[1])
-  if max_len > 0 and redis.call('XLEN', KEYS[1]) > max_len then
-    return {redis.call('XTRIM', KEYS[1], 'MAXLEN', '=', max_len), '', 'maxlen'}
-  end
-  return {0, '', ''}
-end
-local best_ms, best_seq = nil, nil
-for _, group in ipairs(groups) do
-  local fields = {}
-  for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
-  local ms, seq
-  if tonumber(fields['pending']) > 0 then
-    local oldest = redis.call('XPENDING', KEYS[1], fields['name'])[2]
-    ms, seq = string.match(oldest, '^(%d+)-(%d+)$')
-    ms, seq = tonumber(ms), tonumber(seq)
-  else
-    ms, seq = string.match(fields['last-delivered-id'], '^(%d+)-(%d+)$')
-    ms, seq = tonumber(ms), tonumber(seq) + 1
-  end
-  if best_ms == nil or ms < best_ms or (ms == best_ms and seq < best_seq) then
-    best_ms, best_seq = ms, seq
-  end
-end
-local min_id = string.format('%d-%d', best_ms, best_seq)
-return {redis.call('XTRIM', KEYS[1], 'MINID', '=', min_id), min_id, 'groups'}
-"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +53,7 @@ class StreamTrimmer:
         self._interval_s = interval_s
         self._max_len = max(0, max_len_without_groups)
         self._timeout_s = command_timeout_s
-        self._script = redis.register_script(_TRIM_LUA)
+        self._script = LuaScript.load("services.dataproxy", "trim_stream")
         self._task: asyncio.Task[None] | None = None
         # Passes run by `run()`, and how many of them failed (Redis unreachable, timeout).
         self.passes = 0
@@ -127,8 +95,8 @@ class StreamTrimmer:
     async def trim_once(self) -> TrimResult:
         """One atomic pass over the groups; what it removed."""
         async with asyncio.timeout(self._timeout_s):
-            trimmed, min_id, mode = await self._script(
-                keys=[self._keys.trajectories], args=[self._max_len]
+            trimmed, min_id, mode = await self._script.run(
+                self._redis, keys=[self._keys.trajectories], args=[self._max_len]
             )
         return TrimResult(trimmed=int(trimmed), min_id=_text(min_id), mode=_text(mode))
 

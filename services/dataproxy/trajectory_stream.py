@@ -16,6 +16,7 @@ from schema.trajectory import CODEC
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import LuaScript
 
 log = get_logger(__name__)
 
@@ -51,31 +52,6 @@ class TrainerStats:
         return self.joined / could_join if could_join > 0 else 0.0
 
 
-# XACK and the `consumed` counter move together, in one round trip.
-_ACK_LUA = """
-local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
-return n
-"""
-
-# Weight versions move forward; repeating the current one is a no-op; a lower one only with
-# allow_rollback (ARGV[2] = '1': a trainer restarted from an older checkpoint), which also
-# counts a rollback epoch. `<epoch>:<version>` is published on the channel named like the
-# key, which every replica's WeightVersionView follows (services/dataproxy/control.py) to
-# stamp streamed tokens as they pass: within an epoch it only moves forward.
-_SET_VERSION_LUA = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-local wanted = tonumber(ARGV[1])
-local epoch = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
-if wanted < current then
-  if ARGV[2] ~= '1' then return {0, tostring(current)} end
-  epoch = redis.call('INCR', KEYS[2])
-end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('PUBLISH', KEYS[1], tostring(epoch) .. ':' .. ARGV[1])
-return {1, ARGV[1], tostring(current)}
-"""
-
 # Lua's unpack() has a stack limit of a few thousand values: ack in chunks.
 _ACK_CHUNK = 1000
 _READ_BATCH = 64
@@ -98,8 +74,8 @@ class TrajectoryStream:
         self._reclaim_idle_ms = max(1, int(reclaim_idle_s * 1000))
         self._block_ms = max(1, int(block_s * 1000))
         self._timeout_s = command_timeout_s
-        self._ack = redis.register_script(_ACK_LUA)
-        self._set_version = redis.register_script(_SET_VERSION_LUA)
+        self._ack = LuaScript.load("services.dataproxy", "ack_trajectory")
+        self._set_version = LuaScript.load("services.dataproxy", "set_version")
 
     async def ensure_group(self, group: str, *, include_history: bool = False) -> None:
         """Creates the consumer group unless it exists: reading what is published from now on
@@ -157,8 +133,10 @@ class TrajectoryStream:
             chunk = stream_ids[start : start + _ACK_CHUNK]
             async with asyncio.timeout(self._timeout_s):
                 acked += int(
-                    await self._ack(
-                        keys=[self._keys.trajectories, self._keys.stats], args=[group, *chunk]
+                    await self._ack.run(
+                        self._redis,
+                        keys=[self._keys.trajectories, self._keys.stats],
+                        args=[group, *chunk],
                     )
                 )
         return acked
@@ -168,7 +146,8 @@ class TrajectoryStream:
         if version < 0:
             raise InvalidRequest(f"weight version {version} is negative", code="invalid_version")
         async with asyncio.timeout(self._timeout_s):
-            reply = await self._set_version(
+            reply = await self._set_version.run(
+                self._redis,
                 keys=[self._keys.weight_version, self._keys.weight_version_epoch],
                 args=[version, "1" if allow_rollback else "0"],
             )

@@ -22,86 +22,12 @@ from redis.exceptions import RedisError
 from services.router.placement import WorkerState, choose, is_live, keeps_affinity
 from services.runtime.errors import InvalidRequest, Unavailable, state_store_unavailable
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import LuaScript
 
 log = get_logger(__name__)
 
 # Two routers placing the same new session race at most once each; three rounds is plenty.
 _PLACE_ATTEMPTS = 3
-
-# Records the heartbeat only for a registered worker, so a deregistered (or flushed) one
-# learns that it must register again instead of reappearing half-known.
-_HEARTBEAT_LUA = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
-return 1
-"""
-
-# Milliseconds on Redis's clock, the one that also expires the affinities, so every router
-# agrees on which sessions are still live.
-_NOW_MS_LUA = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# The workers with their live session counts, and (Route only, when KEYS[4] is given) the
-# session's affinity, refreshed: its expiry and its last use in its worker's session set.
-# Each worker's set `ARGV[1] .. worker_id` loses the sessions unused for the affinity TTL
-# (their affinities have expired), so its size counts the live affinities naming the worker.
-# First, workers whose last heartbeat is older than ARGV[4] (unix time: the router's clock,
-# the one that stamps heartbeats) leave the registry, as a deregistration would remove them;
-# their ids come back as the sixth element.
-_SNAPSHOT_LUA = (
-    _NOW_MS_LUA
-    + """
-local forgotten = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
-for _, id in ipairs(forgotten) do
-  redis.call('HDEL', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id)
-  redis.call('DEL', ARGV[1] .. id)
-end
-local ttl_ms = tonumber(ARGV[2])
-local current = ''
-if KEYS[4] then
-  current = redis.call('GET', KEYS[4]) or ''
-  if current ~= '' then
-    redis.call('PEXPIRE', KEYS[4], ttl_ms)
-    if redis.call('HEXISTS', KEYS[1], current) == 1 then
-      redis.call('ZADD', ARGV[1] .. current, string.format('%d', now_ms), ARGV[3])
-    end
-  end
-end
-local workers = redis.call('HGETALL', KEYS[1])
-local counts = {}
-local cutoff = string.format('%d', now_ms - ttl_ms)
-for i = 1, #workers, 2 do
-  local set = ARGV[1] .. workers[i]
-  redis.call('ZREMRANGEBYSCORE', set, '-inf', cutoff)
-  counts[#counts + 1] = workers[i]
-  counts[#counts + 1] = redis.call('ZCARD', set)
-end
-return {current, workers, redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES'),
-        redis.call('HGETALL', KEYS[3]), counts, forgotten}
-"""
-)
-
-# Compare-and-set of a session's affinity: sets it only if it still holds what this router
-# read (ARGV[1], "" for none) and the chosen worker is still registered, and moves the
-# session from the previous worker's session set (KEYS[4]) to the chosen one's (KEYS[3]).
-# Returns 1 when set. A router that loses the race reads the winner's choice on its next round.
-_CLAIM_LUA = (
-    _NOW_MS_LUA
-    + """
-local current = redis.call('GET', KEYS[1]) or ''
-if current ~= ARGV[1] then return 0 end
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-if current ~= '' and current ~= ARGV[2] then redis.call('ZREM', KEYS[4], ARGV[4]) end
-redis.call('ZADD', KEYS[3], string.format('%d', now_ms), ARGV[4])
-return 1
-"""
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +84,9 @@ class Registry:
         self._forget_after_s = forget_after_s
         self._affinity_ttl_ms = max(1, round(affinity_ttl_s * 1000))
         self._clock = clock
-        self._heartbeat = redis.register_script(_HEARTBEAT_LUA)
-        self._snapshot = redis.register_script(_SNAPSHOT_LUA)
-        self._claim = redis.register_script(_CLAIM_LUA)
+        self._heartbeat = LuaScript.load("services.router", "heartbeat")
+        self._snapshot = LuaScript.load("services.router", "snapshot")
+        self._claim = LuaScript.load("services.router", "claim_affinity")
 
     async def register(
         self, *, worker_id: str, address: str, models: Sequence[str], timeout_s: float
@@ -188,7 +114,8 @@ class Registry:
             raise InvalidRequest("Heartbeat needs a worker_id")
         k = self._keys
         async with _redis_deadline(timeout_s, "heartbeat"):
-            known = await self._heartbeat(
+            known = await self._heartbeat.run(
+                self._redis,
                 keys=[k.workers, k.heartbeats, k.in_flight],
                 args=[worker_id, f"{self._clock():.6f}", max(0, in_flight)],
             )
@@ -237,7 +164,8 @@ class Registry:
                 ):
                     return current
                 chosen = choose(workers, model=model, avoid_worker_id=avoid_worker_id)
-                claimed = await self._claim(
+                claimed = await self._claim.run(
+                    self._redis,
                     keys=[
                         affinity_key,
                         self._keys.workers,
@@ -266,7 +194,8 @@ class Registry:
         after forgetting the workers silent for longer than `forget_after_s`."""
         k = self._keys
         forget_before = self._clock() - self._forget_after_s
-        reply = await self._snapshot(
+        reply = await self._snapshot.run(
+            self._redis,
             keys=[k.workers, k.heartbeats, k.in_flight, *keys],
             args=[k.worker_sessions(""), self._affinity_ttl_ms, member, f"{forget_before:.6f}"],
         )

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from services.runtime.errors import RollgateError
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import LuaScript
 from services.runtime.tasks import cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer, incoming
 from stackconfig import env_str
@@ -201,27 +202,6 @@ class ServiceMetrics:
             self._refreshed_at = time.monotonic()
 
 
-# The lease is taken or renewed in one round trip; only its holder's value renews it.
-_LEASE_LUA = """
-local holder = redis.call('GET', KEYS[1])
-if not holder then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
 class ExporterLease:
     """`async with`: which replica of a service exports the global values — whoever holds
     this Redis key. A background task takes the lease when it is free and renews it while it
@@ -234,8 +214,8 @@ class ExporterLease:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._renew_every_s = ttl_s / LEASE_RENEWALS_PER_TTL
         self._me = secrets.token_hex(8)
-        self._script = redis.register_script(_LEASE_LUA)
-        self._release = redis.register_script(_RELEASE_LUA)
+        self._script = LuaScript.load("services.runtime", "claim_exporter_lease")
+        self._release = LuaScript.load("services.runtime", "release_exporter_lease")
         # Monotonic time until which the lease is surely ours: a claim's start plus the TTL
         # (the key, set after that start, expires later), so this replica stops exporting
         # before another one can take the lease over.
@@ -271,7 +251,9 @@ class ExporterLease:
         started = time.monotonic()
         try:
             async with asyncio.timeout(min(GLOBAL_READ_TIMEOUT_S, self._renew_every_s)):
-                ours = await self._script(keys=[self._key], args=[self._me, self._ttl_ms])
+                ours = await self._script.run(
+                    self._redis, keys=[self._key], args=[self._me, self._ttl_ms]
+                )
         except (TimeoutError, OSError, aioredis.RedisError) as err:
             if not self._failing:
                 log.warning(
@@ -289,7 +271,7 @@ class ExporterLease:
         self._held_until = 0.0
         with contextlib.suppress(TimeoutError, OSError, aioredis.RedisError):
             async with asyncio.timeout(GLOBAL_READ_TIMEOUT_S):
-                await self._release(keys=[self._key], args=[self._me])
+                await self._release.run(self._redis, keys=[self._key], args=[self._me])
 
 
 def gauge(name: str, documentation: str, value: float) -> Metric:
