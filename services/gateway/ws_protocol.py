@@ -14,6 +14,7 @@ from services.runtime.errors import (
     MAX_IDENTIFIER_CHARS,
     InvalidRequest,
     RollgateError,
+    bounded,
     check_identifier,
 )
 
@@ -124,9 +125,19 @@ def parse_request(text: str) -> Request:
         raise FrameError("only `req` frames are accepted from clients", frame_id=frame_id)
     if not frame_id:
         raise FrameError("a request needs a string `id`")
+    if len(frame_id) > MAX_IDENTIFIER_CHARS:
+        # Not echoed: every answer to it would carry it again.
+        raise FrameError(
+            f"`id` is {len(frame_id)} characters long; the limit is {MAX_IDENTIFIER_CHARS}"
+        )
     method = frame.get("method")
     if not isinstance(method, str) or not method:
         raise FrameError("a request needs a string `method`", frame_id=frame_id)
+    if len(method) > MAX_IDENTIFIER_CHARS:
+        raise FrameError(
+            f"`method` is {len(method)} characters long; the limit is {MAX_IDENTIFIER_CHARS}",
+            frame_id=frame_id,
+        )
     params = frame.get("params")
     if params is None:
         params = {}
@@ -156,8 +167,8 @@ def error(
     details: dict[str, Any] | None = None,
     retry_after_ms: int | None = None,
 ) -> str:
-    """A failed `res` frame."""
-    body: dict[str, Any] = {"code": code, "message": message}
+    """A failed `res` frame; its message bounded as every error message is."""
+    body: dict[str, Any] = {"code": code, "message": bounded(message)}
     if details:
         body["details"] = details
     if retry_after_ms is not None:

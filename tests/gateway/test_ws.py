@@ -381,6 +381,17 @@ async def test_after_connect_bad_frames_and_unknown_methods_get_errors_and_the_s
         assert "unknown method" in unknown["error"]["message"]
         missing = await client.call("chat.send", {"sessionKey": "main"})
         assert missing["ok"] is False
+        # What an answer echoes is bounded: an over-long id is refused without echoing it,
+        # an over-long method (or anything else a message names) is cut.
+        await client.ws.send_str(
+            orjson.dumps({"type": "req", "id": "i" * 50_000, "method": "health"}).decode()
+        )
+        long_id = await client.until(lambda f: f["type"] == "res")
+        assert long_id["ok"] is False and long_id["id"] == ""
+        assert long_id["error"]["message"] == "`id` is 50000 characters long; the limit is 256"
+        long_method = await client.call("m" * 50_000, {})
+        assert long_method["ok"] is False and len(orjson.dumps(long_method)) < 2_000
+        assert "limit is 256" in long_method["error"]["message"]
         assert (await client.call("health", {}))["ok"]
         await client.ws.send_str("x" * 200_000)
         closing = await client.ws.receive(timeout=DEADLINE_S)
