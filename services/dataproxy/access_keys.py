@@ -13,9 +13,11 @@ import redis.asyncio as aioredis
 
 from services.dataproxy import scripts
 from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import KeyRevoked, RevokeKey
 from services.runtime.errors import InvalidRequest
 from services.runtime.keys import ACCESS_KEY_PREFIXES, key_digest, key_id_of, new_access_key
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
 
@@ -92,20 +94,24 @@ class AccessKeyStore:
     async def digest_of(self, key_id: str) -> str | None:
         """The digest of the valid issued key with this key id, if any."""
         async for field, _ in self._redis.hscan_iter(self._keys.access_keys, match=f"{key_id}*"):
-            return _text(field)
+            return text_of(field)
         return None
 
     async def revoke(self, digest: str) -> RevokedKey | None:
         """Revokes the key (idempotent); None when it is not an issued admin or trainer key."""
-        status, key_id, kind = await self._revoke.run(
-            self._redis,
-            [self._keys.access_keys, self._keys.revoked(digest)],
-            [digest, repr(time.time())],
+        result = KeyRevoked.parse(
+            await self._revoke.run(
+                self._redis,
+                [self._keys.access_keys, self._keys.revoked(digest)],
+                [digest, repr(time.time())],
+            )
         )
-        if status == b"unknown" or _text(kind) not in ACCESS_KEY_PREFIXES:
+        if result.status is RevokeKey.UNKNOWN or result.kind not in ACCESS_KEY_PREFIXES:
             return None
         revoked = RevokedKey(
-            key_id=_text(key_id), kind=_text(kind), already_revoked=status == b"already"
+            key_id=result.key_id,
+            kind=result.kind,
+            already_revoked=result.status is RevokeKey.ALREADY,
         )
         log.info("access_key_revoked", key_id=revoked.key_id, kind=revoked.kind)
         return revoked
@@ -130,7 +136,3 @@ def _decode(raw: bytes) -> AccessKeyInfo:
         label=str(data.get("label", "")),
         created_at=float(data.get("created_at", 0.0)),
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value or "")

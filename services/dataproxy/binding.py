@@ -28,7 +28,6 @@ from services.dataproxy.episode_state import (
     StartedSession,
     StoreContext,
     StorePart,
-    text_of,
 )
 from services.dataproxy.publication import Publisher
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
@@ -40,6 +39,7 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import key_digest, key_id_of, new_session_key
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import text_of
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)

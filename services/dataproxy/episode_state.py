@@ -18,6 +18,7 @@ from services.runtime.errors import (
     NotFound,
 )
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import text_of
 from services.runtime.secret import Secret
 
 log = get_logger(__name__)
@@ -171,11 +172,6 @@ class History:
 
     session_id: str
     entries: list[tuple[str, bytes]]
-
-
-def text_of(value: bytes | None) -> str:
-    """A Redis value as text ("" when absent)."""
-    return value.decode() if value else ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

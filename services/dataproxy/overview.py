@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 
 from services.dataproxy.control import UNLIMITED, CapacityPolicy, capacity_left
 from services.dataproxy.redis_keys import RedisKeys
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import LuaScript, text_of
 
 READ_TIMEOUT_S = 5.0
 
@@ -130,7 +130,7 @@ class Overview:
             pipe.zcard(keys.awaiting_reward)
             stats, version, grants, paused, running, awaiting = await pipe.execute()
             length, groups = await self._groups.run(self._redis, keys=[keys.trajectories])
-        fields = {_text(k): _number(v) for k, v in stats.items()}
+        fields = {text_of(k): _number(v) for k, v in stats.items()}
         published = int(fields.get("published", 0))
         open_episodes = int(fields.get("open_episodes", 0))
         weight_version = int(_number(version))
@@ -185,12 +185,12 @@ class Overview:
             pipe.zcard(keys.awaiting_reward)
             pipe.zrevrange(keys.awaiting_reward, 0, limit - 1, withscores=True)
             active_n, active, held_n, held = await pipe.execute()
-            members = [(_text(m), float(s)) for m, s in [*active, *held]][:limit]
+            members = [(text_of(m), float(s)) for m, s in [*active, *held]][:limit]
             digests = [m.partition("/")[0] for m, _ in members]
             pipe = self._redis.pipeline(transaction=False)
             for digest in digests:
                 pipe.hget(keys.key(digest), "key_id")
-            key_ids = [_text(k) for k in await pipe.execute()]
+            key_ids = [text_of(k) for k in await pipe.execute()]
             pipe = self._redis.pipeline(transaction=False)
             for (member, _), key_id in zip(members, key_ids, strict=True):
                 episode = member.partition("/")[2]
@@ -207,10 +207,10 @@ class Overview:
                 continue
             sessions.append(
                 SessionState(
-                    session_id=_text(session_id) or member.partition("/")[2],
-                    task_id=_text(task_id),
+                    session_id=text_of(session_id) or member.partition("/")[2],
+                    task_id=text_of(task_id),
                     key_id=key_id,
-                    state=_text(state),
+                    state=text_of(state),
                     turns=int(turns),
                     started_at=_number(started),
                     last_active_at=_number(last) or _number(started),
@@ -255,11 +255,11 @@ class Overview:
                 return None
         if not items:
             return None
-        fields = {_text(k): v for k, v in items[0][1].items()}
+        fields = {text_of(k): v for k, v in items[0][1].items()}
         return (
-            _text(fields.get("trajectory_id", b"")),
+            text_of(fields.get("trajectory_id", b"")),
             bytes(fields.get("data", b"")),
-            _text(fields.get("codec", b"msgpack")),
+            text_of(fields.get("codec", b"msgpack")),
         )
 
 
@@ -267,16 +267,16 @@ def _group(raw: Sequence[Any], published: int, length: int, now: float) -> Group
     name, pending, last_delivered, consumers, oldest, first_undelivered = raw
     # Every entry after a group's last-delivered id is still on the stream (trimming keeps
     # them), and ids count publications: the backlog is a difference, bounded by the length.
-    backlog = max(0, min(published - stream_seq(_text(last_delivered)), length))
-    if not _text(first_undelivered):
+    backlog = max(0, min(published - stream_seq(text_of(last_delivered)), length))
+    if not text_of(first_undelivered):
         backlog = 0
     return GroupState(
-        name=_text(name),
+        name=text_of(name),
         consumers=int(consumers),
         pending=int(pending),
         backlog=backlog,
-        oldest_pending_age_s=_age(_text(oldest), now),
-        oldest_undelivered_age_s=_age(_text(first_undelivered), now),
+        oldest_pending_age_s=_age(text_of(oldest), now),
+        oldest_undelivered_age_s=_age(text_of(first_undelivered), now),
     )
 
 
@@ -288,12 +288,6 @@ def _age(stream_id: str, now: float) -> float:
 def capacity_text(left: int) -> str:
     """`unlimited` or the number of episodes that may still start."""
     return "unlimited" if left == UNLIMITED else str(left)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _number(value: Any) -> float:

@@ -21,7 +21,6 @@ from services.dataproxy.episode_state import (
     StoreContext,
     StorePart,
     session_name,
-    text_of,
 )
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
 from services.dataproxy.summaries import RECENT_KEPT, trajectory_summary
@@ -32,6 +31,7 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import key_id_of
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
 

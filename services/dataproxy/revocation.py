@@ -17,9 +17,11 @@ import redis.asyncio as aioredis
 from services.dataproxy import scripts
 from services.dataproxy.access_keys import AccessKeyStore, RevokedKey
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
+from services.dataproxy.scripts import KeyRevoked, RevokeKey
 from services.runtime.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from services.runtime.keys import key_id_of, looks_like_key_id
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
 
@@ -76,7 +78,7 @@ class SessionKeyRevoker:
         """The digest of the session key (valid or revoked) with this key id, if any."""
         for pattern in (self._keys.key_pattern(key_id), self._keys.revoked_pattern(key_id)):
             async for name in self._redis.scan_iter(match=pattern, count=SCAN_COUNT):
-                return _text(name).rsplit(":", 1)[1]
+                return text_of(name).rsplit(":", 1)[1]
         return None
 
     async def _open_episodes(self, digest: str) -> set[str]:
@@ -86,7 +88,7 @@ class SessionKeyRevoker:
             async for member, _ in self._redis.zscan_iter(
                 zset, match=f"{digest}/*", count=SCAN_COUNT
             ):
-                names.add(_text(member).split("/", 1)[1])
+                names.add(text_of(member).split("/", 1)[1])
         return names
 
     async def _run(self, digest: str, names: set[str]) -> RevokedKey | None:
@@ -94,19 +96,17 @@ class SessionKeyRevoker:
         candidates = set(names)
         for _ in range(MAX_REVOKE_ATTEMPTS):
             keys, args = await self._arguments(digest, key_id, sorted(candidates))
-            status, got_id, kind, discarded, missing = await self._script.run(
-                self._redis, keys, args
-            )
-            if status == b"retry":
-                candidates.add(_text(missing))
+            result = KeyRevoked.parse(await self._script.run(self._redis, keys, args))
+            if result.status is RevokeKey.RETRY:
+                candidates.add(result.missing)
                 continue
-            if status == b"unknown":
+            if result.status is RevokeKey.UNKNOWN:
                 return None
             return RevokedKey(
-                key_id=_text(got_id),
-                kind=_text(kind),
-                episodes_discarded=int(discarded),
-                already_revoked=status == b"already",
+                key_id=result.key_id,
+                kind=result.kind,
+                episodes_discarded=result.discarded,
+                already_revoked=result.status is RevokeKey.ALREADY,
             )
         raise Conflict("the key kept starting episodes while it was being revoked; retry")
 
@@ -127,14 +127,14 @@ class SessionKeyRevoker:
         ]
         args: list[Any] = [digest, repr(time.time()), ENDED_EPISODE_TTL_S, "session"]
         for name, (session_id, group_id) in zip(names, found, strict=True):
-            group = _text(group_id)
+            group = text_of(group_id)
             keys += [
                 self._keys.episode(key_id, name),
                 self._keys.turns(key_id, name),
                 self._keys.rewards(key_id, name),
                 self._keys.interaction_index(key_id, name),
                 self._keys.group(group) if group else self._keys.stats,
-                self._keys.session(key_id, _text(session_id)) if session_id else self._keys.stats,
+                self._keys.session(key_id, text_of(session_id)) if session_id else self._keys.stats,
             ]
             args += [name, group]
         return keys, args
@@ -166,7 +166,3 @@ class KeyRevocation:
         if revoked is None:
             raise NotFound("no key of this deployment matches", code="key_not_found")
         return revoked
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value or "")

@@ -15,9 +15,9 @@ from services.dataproxy.episode_state import (
     StorePart,
     held_state,
     session_name,
-    text_of,
 )
 from services.dataproxy.publication import Publisher
+from services.dataproxy.scripts import RewardSet, SetReward
 from services.runtime.errors import (
     Conflict,
     InvalidRequest,
@@ -49,7 +49,7 @@ class Rewards(StorePart):
             raise InvalidRequest(f"reward must be a finite number, got {reward!r}")
         key = await self._lookup.resolve(digest)
         target, mode = await self._reward_target(key, session_id)
-        status, found, is_last = await self._scripts.set_reward.run(
+        reply = await self._scripts.set_reward.run(
             self._redis,
             [
                 self._keys.key(digest),
@@ -59,16 +59,19 @@ class Rewards(StorePart):
             ],
             [target.episode, target.epoch, interaction_id, repr(float(reward)), mode],
         )
-        if status == b"not_active":
+        result = RewardSet.parse(reply)
+        if result.status is SetReward.NOT_ACTIVE:
             raise Conflict(NO_ACTIVE_EPISODE)
-        if status == b"no_interaction":
+        if result.status is SetReward.NO_INTERACTION:
             raise Conflict("no completed interaction yet: chat first, then set the reward")
-        if status == b"not_found":
+        if result.status is SetReward.NOT_FOUND:
             raise NotFound(f"interaction {interaction_id} not found in the current episode")
-        log.info("reward_set", session_id=target.episode, interaction_id=text_of(found), mode=mode)
-        if mode == "held" and int(is_last):
+        log.info(
+            "reward_set", session_id=target.episode, interaction_id=result.interaction_id, mode=mode
+        )
+        if mode == "held" and result.is_last:
             await self._publisher.publish(target, end_reason="")
-        return text_of(found)
+        return result.interaction_id
 
     async def _reward_target(self, key: KeyState, session_id: str) -> tuple[KeyState, str]:
         if key.mode == HEADER_MODE:

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import LuaScript, text_of
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -98,8 +98,4 @@ class StreamTrimmer:
             trimmed, min_id, mode = await self._script.run(
                 self._redis, keys=[self._keys.trajectories], args=[self._max_len]
             )
-        return TrimResult(trimmed=int(trimmed), min_id=_text(min_id), mode=_text(mode))
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        return TrimResult(trimmed=int(trimmed), min_id=text_of(min_id), mode=text_of(mode))

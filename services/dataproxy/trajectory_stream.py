@@ -16,7 +16,7 @@ from schema.trajectory import CODEC
 from services.dataproxy.redis_keys import RedisKeys
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import LuaScript, text_of
 
 log = get_logger(__name__)
 
@@ -171,7 +171,7 @@ class TrajectoryStream:
             pipe.get(self._keys.weight_version)
             counters, version = await pipe.execute()
             groups = await self._groups()
-        fields = {_text(k): _int(v) for k, v in counters.items()}
+        fields = {text_of(k): _int(v) for k, v in counters.items()}
         return TrainerStats(
             # Maintained by the session code only if it can do so cheaply; else 0.
             open_episodes=fields.get("open_episodes", 0),
@@ -191,7 +191,7 @@ class TrajectoryStream:
             if "no such key" in str(err).lower():
                 return []
             raise
-        return [{_text(k): v for k, v in group.items()} for group in groups]
+        return [{text_of(k): v for k, v in group.items()} for group in groups]
 
     async def _own_pending(
         self, group: str, consumer: str, budget: _Budget
@@ -215,7 +215,7 @@ class TrajectoryStream:
         raw = _stream_items(reply)
         if not raw:
             return [], ""
-        return await self._usable(group, raw), _text(raw[-1][0])
+        return await self._usable(group, raw), text_of(raw[-1][0])
 
     async def _read(
         self, group: str, consumer: str, cursor: str, count: int, block_ms: int
@@ -239,7 +239,7 @@ class TrajectoryStream:
                 start_id=cursor,
                 count=count,
             )
-        cursor, items = _text(reply[0]), list(reply[1])
+        cursor, items = text_of(reply[0]), list(reply[1])
         entries = await self._usable(group, items)
         if entries:
             log.info("trajectories_reclaimed", group=group, consumer=consumer, count=len(entries))
@@ -251,14 +251,14 @@ class TrajectoryStream:
         gone: list[str] = []
         for stream_id, fields in items:
             if not fields:
-                gone.append(_text(stream_id))
+                gone.append(text_of(stream_id))
                 continue
-            values = {_text(k): v for k, v in fields.items()}
+            values = {text_of(k): v for k, v in fields.items()}
             entries.append(
                 StreamEntry(
-                    stream_id=_text(stream_id),
-                    trajectory_id=_text(values.get("trajectory_id", b"")),
-                    codec=_text(values.get("codec", CODEC.encode())),
+                    stream_id=text_of(stream_id),
+                    trajectory_id=text_of(values.get("trajectory_id", b"")),
+                    codec=text_of(values.get("codec", CODEC.encode())),
                     data=bytes(values.get("data", b"")),
                 )
             )
@@ -308,10 +308,6 @@ def _stream_items(reply: Any) -> list[Any]:
     if isinstance(reply, dict):
         return [item for items in reply.values() for item in (items[0] if items else [])]
     return [item for _name, items in reply for item in items]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _int(value: Any) -> int:

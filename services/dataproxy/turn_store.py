@@ -20,8 +20,8 @@ from services.dataproxy.episode_state import (
     StoreContext,
     StorePart,
     session_name,
-    text_of,
 )
+from services.dataproxy.scripts import AppendedTurn, AppendTurn, BeganTurn, BeginTurn
 from services.dataproxy.turns import decode_turns, history_entry
 from services.runtime.errors import (
     InvalidRequest,
@@ -29,6 +29,7 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import key_id_of
 from services.runtime.logs import get_logger
+from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
 
@@ -52,7 +53,7 @@ class TurnStore(StorePart):
         (waiting for capacity like any start); other keys ignore `session_id`.
         """
         for _ in range(MAX_PUBLISH_ATTEMPTS):
-            status, key_id, episode, epoch, version, mode = await self._scripts.begin_turn.run(
+            reply = await self._scripts.begin_turn.run(
                 self._redis,
                 [
                     self._keys.key(digest),
@@ -67,27 +68,28 @@ class TurnStore(StorePart):
                 ],
                 [token, repr(lease_until), repr(time.time()), session_id, digest],
             )
-            if status == b"ok":
-                header = mode == HEADER_MODE.encode()
+            began = BeganTurn.parse(reply)
+            if began.status is BeginTurn.OK:
+                header = began.mode == HEADER_MODE
                 return ActiveEpisode(
                     digest=digest,
-                    key_id=text_of(key_id),
-                    episode=text_of(episode),
-                    epoch=int(epoch),
-                    weight_version=int(version),
-                    mode=text_of(mode),
+                    key_id=began.key_id,
+                    episode=began.episode,
+                    epoch=began.epoch,
+                    weight_version=began.weight_version,
+                    mode=began.mode,
                     client_session_id=session_id if header else "",
                     lease_token=token,
                 )
-            if status == b"paused":
+            if began.status is BeginTurn.PAUSED:
                 return None
-            if status == b"unknown":
+            if began.status is BeginTurn.UNKNOWN:
                 raise await self._revoker.refusal(digest)
-            if status == b"not_active":
+            if began.status is BeginTurn.NOT_ACTIVE:
                 raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
-            if status == b"needs_session":
+            if began.status is BeginTurn.NEEDS_SESSION:
                 raise InvalidRequest(NEEDS_SESSION, code="session_id_required")
-            await self._binder.start_header_episode(digest, session_name(session_id), int(epoch))
+            await self._binder.start_header_episode(digest, session_name(session_id), began.epoch)
         raise Unavailable(
             "the session's episode kept ending while this turn started; retry",
             code="session_contended",
@@ -101,12 +103,12 @@ class TurnStore(StorePart):
         trip (a second only when the weight version moved while the turn ran)."""
         version = episode.weight_version
         for _ in range(MAX_RECORD_ATTEMPTS):
-            status, value = await self._append(
+            appended = await self._append(
                 episode, interaction_id=interaction_id, record=encode(version), expected=version
             )
-            if status != b"version":
-                return self._appended(episode, interaction_id, status, value)
-            version = int(value)
+            if appended.status is not AppendTurn.VERSION:
+                return self._appended(episode, interaction_id, appended)
+            version = appended.value
         raise Unavailable(
             "the weight version kept changing while this turn was recorded; retry",
             code="version_contended",
@@ -135,16 +137,16 @@ class TurnStore(StorePart):
         self, episode: ActiveEpisode, *, interaction_id: str, record: bytes
     ) -> int:
         """Appends a completed turn if its episode is still active; returns its index."""
-        status, index = await self._append(
+        appended = await self._append(
             episode, interaction_id=interaction_id, record=record, expected=-1
         )
-        return self._appended(episode, interaction_id, status, index)
+        return self._appended(episode, interaction_id, appended)
 
     async def _append(
         self, episode: ActiveEpisode, *, interaction_id: str, record: bytes, expected: int
-    ) -> tuple[bytes, int]:
+    ) -> AppendedTurn:
         now = time.time()
-        status, index = await self._scripts.append_turn.run(
+        reply = await self._scripts.append_turn.run(
             self._redis,
             [
                 self._keys.key(episode.digest),
@@ -169,18 +171,16 @@ class TurnStore(StorePart):
                 episode.mode,
             ],
         )
-        return status, int(index)
+        return AppendedTurn.parse(reply)
 
-    def _appended(
-        self, episode: ActiveEpisode, interaction_id: str, status: bytes, index: int
-    ) -> int:
-        if status == b"ended":
+    def _appended(self, episode: ActiveEpisode, interaction_id: str, appended: AppendedTurn) -> int:
+        if appended.status is AppendTurn.ENDED:
             raise Unavailable(EPISODE_ENDED, code="episode_ended", retry_after_s=1.0)
-        if status == b"duplicate":
+        if appended.status is AppendTurn.DUPLICATE:
             log.warning(
                 "turn_already_recorded", session_id=episode.episode, interaction_id=interaction_id
             )
-        return int(index)
+        return appended.value
 
     async def history(self, digest: str) -> History:
         """The completed interactions of the key's current episode (none between episodes)."""

@@ -33,6 +33,13 @@ class ScriptStatus(enum.Enum):
         return cls(raw.decode() if isinstance(raw, bytes) else raw)
 
 
+def text_of(value: object) -> str:
+    """A value from a Redis reply as text: bytes decoded, "" when absent (None)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LuaScript:
     """One script's source and its SHA-1 (the name Redis caches it under)."""

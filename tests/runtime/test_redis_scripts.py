@@ -70,3 +70,13 @@ async def test_a_script_runs_again_after_redis_forgets_it(
     # NOSCRIPT on EVALSHA: the loader sends the source again and Redis caches it anew.
     assert int(await script.run(redis_client, [key], ["other", 60_000])) == 0
     assert (await redis_client.script_exists(script.sha)) == [True]
+
+
+def test_script_statuses_are_compared_as_members_not_bytes() -> None:
+    # The callers of the typed replies in services/dataproxy/scripts.py (a hash field's value,
+    # e.g. an episode's state, is not a script status).
+    callers = ("turn_store.py", "rewards.py", "revocation.py", "access_keys.py")
+    status = re.compile(r'\bstatus\s*[!=]=\s*b"')
+    for name in callers:
+        text = (SERVICES / "dataproxy" / name).read_text()
+        assert not status.search(text), f"services/dataproxy/{name}: parse the reply (scripts.py)"
