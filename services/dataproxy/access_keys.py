@@ -11,13 +11,12 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from services.dataproxy import scripts
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.scripts import KeyRevoked, RevokeKey
+from services.dataproxy.scripts import KeyRevoked, RevokeAccessKeyCall, RevokeKey
 from services.runtime.errors import InvalidRequest
 from services.runtime.keys import ACCESS_KEY_PREFIXES, key_digest, key_id_of, new_access_key
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import text_of
+from services.runtime.redis_scripts import Script, text_of
 
 log = get_logger(__name__)
 
@@ -51,7 +50,7 @@ class AccessKeyStore:
     def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._revoke = scripts.load("revoke_access_key")
+        self._revoke = Script.load(RevokeAccessKeyCall, KeyRevoked.parse)
 
     async def issue(self, *, kind: str, label: str = "") -> tuple[str, AccessKeyInfo]:
         """A new key of `kind` ("admin" or "trainer") and what is stored about it."""
@@ -99,12 +98,14 @@ class AccessKeyStore:
 
     async def revoke(self, digest: str) -> RevokedKey | None:
         """Revokes the key (idempotent); None when it is not an issued admin or trainer key."""
-        result = KeyRevoked.parse(
-            await self._revoke.run(
-                self._redis,
-                [self._keys.access_keys, self._keys.revoked(digest)],
-                [digest, repr(time.time())],
-            )
+        result = await self._revoke.run(
+            self._redis,
+            RevokeAccessKeyCall(
+                access_keys=self._keys.access_keys,
+                tombstone=self._keys.revoked(digest),
+                digest=digest,
+                now=time.time(),
+            ),
         )
         if result.status is RevokeKey.UNKNOWN or result.kind not in ACCESS_KEY_PREFIXES:
             return None

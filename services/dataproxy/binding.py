@@ -31,6 +31,14 @@ from services.dataproxy.episode_state import (
 )
 from services.dataproxy.publication import Publisher
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
+from services.dataproxy.scripts import (
+    BindEpisode,
+    BindEpisodeCall,
+    BindMember,
+    EpisodeBound,
+    ExtendMarkerCall,
+    ReleaseMarkerCall,
+)
 from services.runtime.errors import (
     Conflict,
     InternalError,
@@ -149,14 +157,17 @@ class EpisodeBinder(StorePart):
             yield
         finally:
             await cancel_and_wait(keeper)
-            await self._scripts.release_marker.run(self._redis, [marker], [token])
+            await self._scripts.release_marker.run(
+                self._redis, ReleaseMarkerCall(marker=marker, token=token)
+            )
 
     async def _keep_marker(self, marker: str, token: str, ttl_s: float) -> None:
         while True:
             await asyncio.sleep(ttl_s / 3)
             with contextlib.suppress(Exception):
                 await self._scripts.extend_marker.run(
-                    self._redis, [marker], [token, max(1, int(ttl_s * 1000))]
+                    self._redis,
+                    ExtendMarkerCall(marker=marker, token=token, ttl_ms=max(1, int(ttl_s * 1000))),
                 )
 
     async def _member(self, digest: str, task_id: str) -> Member:
@@ -174,21 +185,21 @@ class EpisodeBinder(StorePart):
         deadline = started + self._policy.refresh_timeout_s
         delay = CAPACITY_POLL_MIN_S
         while True:
-            status, value = await self._bind_once(members, mode=mode, group_id=group_id)
-            if status == "ok":
-                return value
-            if status == "busy":
+            bound = await self._bind_once(members, mode=mode, group_id=group_id)
+            if bound.status is BindEpisode.OK:
+                return bound.value
+            if bound.status is BindEpisode.BUSY:
                 raise Conflict("another episode was bound to this key meanwhile; retry")
-            if status == "exists" and mode == HEADER_MODE:
+            if bound.status is BindEpisode.EXISTS and mode == HEADER_MODE:
                 # The session's next name was taken (an expired pointer): pick a fresh one.
                 taken = members[0]
                 members[0] = replace(taken, episode=f"{taken.name}-{secrets.token_hex(3)}")
                 continue
-            if status == "unknown" and mode != "new":
+            if bound.status is BindEpisode.UNKNOWN and mode != "new":
                 # The key hash is gone: revoked while this start waited.
                 raise await self._revoker.refusal(members[0].digest)
-            if status != "full":
-                raise InternalError(f"binding an episode failed: {status}")
+            if bound.status is not BindEpisode.FULL:
+                raise InternalError(f"binding an episode failed: {bound.status.value}")
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("capacity_wait_timed_out", episodes=len(members), mode=mode)
@@ -200,36 +211,43 @@ class EpisodeBinder(StorePart):
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, CAPACITY_POLL_MAX_S)
 
-    async def _bind_once(
-        self, members: list[Member], *, mode: str, group_id: str
-    ) -> tuple[str, int]:
+    async def _bind_once(self, members: list[Member], *, mode: str, group_id: str) -> EpisodeBound:
         slot = self._keys.group(group_id) if group_id else self._keys.stats
         if mode == HEADER_MODE:
             slot = self._keys.session(key_id_of(members[0].digest), members[0].session_id)
-        keys = [
-            self._keys.stats,
-            self._keys.capacity,
-            self._keys.weight_version,
-            self._keys.idle,
-            slot,
-        ]
         ofp, batch_size = self._policy.capacity.bound_args
-        args: list[Any] = [
-            mode,
-            repr(time.time()),
-            ofp,
-            batch_size,
-            repr(self._policy.session_idle_timeout_s),
-            group_id,
-            len(members) if group_id else 0,
-            ENDED_EPISODE_TTL_S,
-        ]
-        for m in members:
-            key_id = key_id_of(m.digest)
-            keys += [self._keys.key(m.digest), self._keys.episode(key_id, m.name)]
-            args += [key_id, m.task_id, m.name, m.trajectory_id, m.digest, m.session_id]
-        status, value = await self._scripts.bind_episode.run(self._redis, keys, args)
-        return text_of(status), int(value)
+        return await self._scripts.bind_episode.run(
+            self._redis,
+            BindEpisodeCall(
+                stats=self._keys.stats,
+                capacity=self._keys.capacity,
+                weight_version=self._keys.weight_version,
+                idle=self._keys.idle,
+                slot=slot,
+                mode=mode,
+                now=time.time(),
+                max_head_offpolicyness=ofp,
+                batch_size=batch_size,
+                idle_timeout_s=self._policy.session_idle_timeout_s,
+                group_id=group_id,
+                group_size=len(members) if group_id else 0,
+                group_ttl_s=ENDED_EPISODE_TTL_S,
+                members=[self._bind_member(m) for m in members],
+            ),
+        )
+
+    def _bind_member(self, m: Member) -> BindMember:
+        key_id = key_id_of(m.digest)
+        return BindMember(
+            key=self._keys.key(m.digest),
+            episode_hash=self._keys.episode(key_id, m.name),
+            key_id=key_id,
+            task_id=m.task_id,
+            episode=m.name,
+            trajectory_id=m.trajectory_id,
+            digest=m.digest,
+            session_id=m.session_id,
+        )
 
     async def start_header_episode(self, digest: str, session_id: str, count: int) -> None:
         task_id: Any = await self._redis.hget(self._keys.key(digest), "task_id")

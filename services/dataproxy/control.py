@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.scripts import Scripts
+from services.dataproxy.scripts import ReleaseTurnCall, Scripts
 from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
 from services.runtime.tasks import cancel_and_wait
@@ -183,8 +183,12 @@ class Control:
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
             await self._scripts.release_turn.run(
                 self._redis,
-                [self._keys.in_flight, self._keys.episode_turns],
-                [lease.token, lease.member],
+                ReleaseTurnCall(
+                    in_flight=self._keys.in_flight,
+                    episode_turns=self._keys.episode_turns,
+                    token=lease.token,
+                    member=lease.member,
+                ),
             )
 
     async def in_flight(self) -> int:

@@ -13,16 +13,27 @@ two round trips (read the chain, store the turn) and storage grows linearly with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.revocation import SessionKeyRevoker
+from services.dataproxy.scripts import (
+    AcquireLeaseCall,
+    AppendMessagesCall,
+    ClaimRunCall,
+    ConversationReply,
+    GetMessagesCall,
+    GetResponseCall,
+    PutResponseCall,
+    ReleaseLeaseCall,
+    ResetConversationCall,
+)
+from services.dataproxy.scripts import ConversationStatus as Status
 from services.runtime.errors import Conflict, InvalidRequest, NotFound
 from services.runtime.keys import key_id_of
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import Script, as_bool, text_of
 
 log = get_logger(__name__)
 
@@ -65,11 +76,6 @@ class StoredResponse:
     chain_items: list[bytes]
 
 
-def _status(reply: list[Any]) -> str:
-    head = reply[0]
-    return head.decode() if isinstance(head, bytes) else str(head)
-
-
 def _check_name(name: str, what: str) -> None:
     if not name or len(name) > MAX_NAME_LEN:
         raise InvalidRequest(f"{what} must be 1 to {MAX_NAME_LEN} characters")
@@ -81,18 +87,19 @@ class ConversationStore:
     def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._get_messages = LuaScript.load("services.dataproxy", "get_messages")
-        self._append = LuaScript.load("services.dataproxy", "append_messages")
-        self._reset = LuaScript.load("services.dataproxy", "reset_conversation")
-        self._acquire = LuaScript.load("services.dataproxy", "acquire_turn_lease")
-        self._release = LuaScript.load("services.dataproxy", "release_turn_lease")
-        self._put_response = LuaScript.load("services.dataproxy", "put_response")
-        self._get_response = LuaScript.load("services.dataproxy", "get_response")
-        self._claim_run = LuaScript.load("services.dataproxy", "claim_run")
+        parse = ConversationReply.parse
+        self._get_messages = Script.load(GetMessagesCall, parse)
+        self._append = Script.load(AppendMessagesCall, parse)
+        self._reset = Script.load(ResetConversationCall, parse)
+        self._acquire = Script.load(AcquireLeaseCall, parse)
+        self._release = Script.load(ReleaseLeaseCall, as_bool)
+        self._put_response = Script.load(PutResponseCall, parse)
+        self._get_response = Script.load(GetResponseCall, parse)
+        self._claim_run = Script.load(ClaimRunCall, parse)
         self._revoker = SessionKeyRevoker(redis=redis, keys=keys)
 
-    async def _raise_for(self, reply: list[Any], digest: str) -> None:
-        if _status(reply) == "unknown_key":
+    async def _raise_for(self, reply: ConversationReply, digest: str) -> None:
+        if reply.status is Status.UNKNOWN_KEY:
             raise await self._revoker.refusal(digest)
 
     def _conv_keys(self, digest: str, name: str) -> tuple[str, str, str]:
@@ -107,30 +114,42 @@ class ConversationStore:
     async def messages(self, digest: str, name: str, *, limit: int) -> Messages:
         """The last `limit` messages (all when limit <= 0), oldest first."""
         key, conv, _ = self._conv_keys(digest, name)
-        reply = await self._get_messages.run(self._redis, keys=[key, conv], args=[limit])
+        reply = await self._get_messages.run(
+            self._redis, GetMessagesCall(key=key, conversation=conv, limit=limit)
+        )
         await self._raise_for(reply, digest)
-        return Messages(messages=list(reply[2:]), total=int(reply[1]))
+        return Messages(messages=reply.items, total=int(reply.value))
 
     async def append(self, digest: str, name: str, *, messages: list[bytes], holder: str) -> int:
         """Appends messages (checking the lease when `holder` is set); the new total."""
         key, conv, lease = self._conv_keys(digest, name)
         reply = await self._append.run(
-            self._redis, keys=[key, conv, lease], args=[holder, STATE_TTL_S, *messages]
+            self._redis,
+            AppendMessagesCall(
+                key=key,
+                conversation=conv,
+                lease=lease,
+                holder=holder,
+                ttl_s=STATE_TTL_S,
+                messages=messages,
+            ),
         )
-        if _status(reply) == "not_holder":
+        if reply.status is Status.NOT_HOLDER:
             raise Conflict(
                 "this run no longer holds the conversation's turn lease", code="lease_lost"
             )
         await self._raise_for(reply, digest)
-        return int(reply[1])
+        return int(reply.value)
 
     async def reset(self, digest: str, name: str) -> int:
         """Drops the conversation's history; how many messages it held."""
         key, conv, _ = self._conv_keys(digest, name)
-        reply = await self._reset.run(self._redis, keys=[key, conv])
+        reply = await self._reset.run(
+            self._redis, ResetConversationCall(key=key, conversation=conv)
+        )
         await self._raise_for(reply, digest)
-        log.info("conversation_reset", key_id=key_id_of(digest), dropped=int(reply[1]))
-        return int(reply[1])
+        log.info("conversation_reset", key_id=key_id_of(digest), dropped=int(reply.value))
+        return int(reply.value)
 
     async def acquire(self, digest: str, name: str, *, holder: str, lease_ms: int) -> Lease:
         """Takes or extends the turn lease for `holder`."""
@@ -138,16 +157,18 @@ class ConversationStore:
         if not 0 < lease_ms <= MAX_LEASE_MS:
             raise InvalidRequest(f"lease_ms must be in 1..{MAX_LEASE_MS}")
         key, _, lease = self._conv_keys(digest, name)
-        reply = await self._acquire.run(self._redis, keys=[key, lease], args=[holder, lease_ms])
+        reply = await self._acquire.run(
+            self._redis, AcquireLeaseCall(key=key, lease=lease, holder=holder, lease_ms=lease_ms)
+        )
         await self._raise_for(reply, digest)
-        if _status(reply) == "granted":
+        if reply.status is Status.GRANTED:
             return Lease(granted=True, retry_after_ms=0)
-        return Lease(granted=False, retry_after_ms=max(1, int(reply[1])))
+        return Lease(granted=False, retry_after_ms=max(1, int(reply.value)))
 
     async def release(self, digest: str, name: str, *, holder: str) -> bool:
         """Releases the lease if `holder` still holds it."""
         _, _, lease = self._conv_keys(digest, name)
-        return bool(await self._release.run(self._redis, keys=[lease], args=[holder]))
+        return await self._release.run(self._redis, ReleaseLeaseCall(lease=lease, holder=holder))
 
     async def claim_run(
         self, digest: str, name: str, *, idempotency_key: str, run_id: str, ttl_ms: int
@@ -159,10 +180,11 @@ class ConversationStore:
             raise InvalidRequest(f"ttl_ms must be in 1..{MAX_RUN_CLAIM_MS}")
         key, _, _ = self._conv_keys(digest, name)
         claim = self._keys.conversation_run(key_id_of(digest), name, idempotency_key)
-        reply = await self._claim_run.run(self._redis, keys=[key, claim], args=[run_id, ttl_ms])
+        reply = await self._claim_run.run(
+            self._redis, ClaimRunCall(key=key, claim=claim, run_id=run_id, ttl_ms=ttl_ms)
+        )
         await self._raise_for(reply, digest)
-        first = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-        return RunClaim(claimed=_status(reply) == "claimed", run_id=first)
+        return RunClaim(claimed=reply.status is Status.CLAIMED, run_id=text_of(reply.value))
 
     async def put_response(
         self,
@@ -178,18 +200,21 @@ class ConversationStore:
         key_id = key_id_of(digest)
         reply = await self._put_response.run(
             self._redis,
-            keys=[
-                self._keys.key(digest),
-                self._keys.response(key_id, response_id),
-                self._keys.response(key_id, previous_response_id or response_id),
-                self._keys.response_chain(key_id, response_id),
-            ],
-            args=[previous_response_id, STATE_TTL_S, response_json, *items],
+            PutResponseCall(
+                key=self._keys.key(digest),
+                response=self._keys.response(key_id, response_id),
+                parent=self._keys.response(key_id, previous_response_id or response_id),
+                chain=self._keys.response_chain(key_id, response_id),
+                parent_id=previous_response_id,
+                ttl_s=STATE_TTL_S,
+                response_json=response_json,
+                items=items,
+            ),
         )
-        if _status(reply) == "parent_not_found":
+        if reply.status is Status.PARENT_NOT_FOUND:
             raise _response_not_found(previous_response_id)
         await self._raise_for(reply, digest)
-        return int(reply[1])
+        return int(reply.value)
 
     async def get_response(
         self, digest: str, response_id: str, *, include_chain: bool
@@ -198,13 +223,16 @@ class ConversationStore:
         _check_name(response_id, "the response id")
         reply = await self._get_response.run(
             self._redis,
-            keys=[self._keys.key(digest), self._keys.response(key_id_of(digest), response_id)],
-            args=["1" if include_chain else "0"],
+            GetResponseCall(
+                key=self._keys.key(digest),
+                response=self._keys.response(key_id_of(digest), response_id),
+                include_chain=include_chain,
+            ),
         )
-        if _status(reply) == "not_found":
+        if reply.status is Status.NOT_FOUND:
             raise _response_not_found(response_id)
         await self._raise_for(reply, digest)
-        return StoredResponse(response_json=reply[1], chain_items=list(reply[2:]))
+        return StoredResponse(response_json=reply.value, chain_items=reply.items)
 
 
 def _response_not_found(response_id: str) -> NotFound:

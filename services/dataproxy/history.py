@@ -14,8 +14,9 @@ from redis.exceptions import RedisError
 
 from services.dataproxy.overview import Counters, Overview
 from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import WriteHistoryCall
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import Script, as_bool
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -62,7 +63,7 @@ class HistorySampler:
         self._keys = keys
         self._overview = overview
         self._interval_s = interval_s
-        self._script = LuaScript.load("services.dataproxy", "write_history")
+        self._script = Script.load(WriteHistoryCall, as_bool)
         self._task: asyncio.Task[None] | None = None
 
     async def sample_once(self, now: float | None = None) -> bool:
@@ -70,12 +71,17 @@ class HistorySampler:
         now = time.time() if now is None else now
         counters = await self._overview.counters()
         slot = int(now // self._interval_s)
-        written = await self._script.run(
+        return await self._script.run(
             self._redis,
-            keys=[self._keys.history, self._keys.history_slot],
-            args=[slot, repr(now), orjson.dumps(snapshot(counters, now)), repr(now - KEEP_S)],
+            WriteHistoryCall(
+                history=self._keys.history,
+                slot_key=self._keys.history_slot,
+                slot=slot,
+                now=now,
+                snapshot=orjson.dumps(snapshot(counters, now)),
+                keep_after=now - KEEP_S,
+            ),
         )
-        return bool(int(written))
 
     async def _run(self) -> None:
         while True:

@@ -16,7 +16,8 @@ from redis.exceptions import ResponseError
 
 from services.dataproxy.control import UNLIMITED, CapacityPolicy, capacity_left
 from services.dataproxy.redis_keys import RedisKeys
-from services.runtime.redis_scripts import LuaScript, text_of
+from services.dataproxy.scripts import StreamGroups, StreamGroupsCall
+from services.runtime.redis_scripts import Script, text_of
 
 READ_TIMEOUT_S = 5.0
 
@@ -115,7 +116,7 @@ class Overview:
         self._redis = redis
         self._keys = keys
         self._policy = policy
-        self._groups = LuaScript.load("services.dataproxy", "stream_groups")
+        self._groups = Script.load(StreamGroupsCall, StreamGroups.parse)
 
     async def counters(self) -> Counters:
         """Stats, control state and the stream's consumer groups."""
@@ -129,7 +130,7 @@ class Overview:
             pipe.zcount(keys.in_flight, f"({time.time()!r}", "+inf")
             pipe.zcard(keys.awaiting_reward)
             stats, version, grants, paused, running, awaiting = await pipe.execute()
-            length, groups = await self._groups.run(self._redis, keys=[keys.trajectories])
+            stream = await self._groups.run(self._redis, StreamGroupsCall(stream=keys.trajectories))
         fields = {text_of(k): _number(v) for k, v in stats.items()}
         published = int(fields.get("published", 0))
         open_episodes = int(fields.get("open_episodes", 0))
@@ -170,8 +171,8 @@ class Overview:
             capacity_granted=granted,
             capacity_used=open_episodes + published,
             capacity_bound=bound,
-            stream_length=int(length),
-            groups=tuple(_group(raw, published, int(length), now) for raw in groups),
+            stream_length=stream.length,
+            groups=tuple(_group(raw, published, stream.length, now) for raw in stream.groups),
         )
 
     async def sessions(self, *, limit: int) -> tuple[list[SessionState], int]:

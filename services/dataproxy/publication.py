@@ -23,6 +23,7 @@ from services.dataproxy.episode_state import (
     session_name,
 )
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
+from services.dataproxy.scripts import ClaimDueCall, Publish, PublishCall, Published
 from services.dataproxy.summaries import RECENT_KEPT, trajectory_summary
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
 from services.runtime.errors import (
@@ -34,6 +35,9 @@ from services.runtime.logs import get_logger
 from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
+
+# What publish.lua answers when the episode has ended (also for a retry of an ended one).
+ENDED = frozenset({Publish.PUBLISHED, Publish.EMPTY, Publish.HELD})
 
 
 # (status, end reason, seconds from the episode's end to this outcome) of an ended episode.
@@ -78,10 +82,12 @@ class Publisher(StorePart):
         episode, status, trajectory_id, stream_id, turns, ended_at = fields
         if not episode or time.time() - float(ended_at or 0) > END_RETRY_WINDOW_S:
             return None
+        # `last_status` is the status publish.lua ended that episode with.
+        ended = Publish.parse(status)
         return Publication(
-            status=text_of(status),
+            status=ended.value,
             session_id=text_of(episode),
-            trajectory_id=text_of(trajectory_id) if status != b"empty" else "",
+            trajectory_id=text_of(trajectory_id) if ended is not Publish.EMPTY else "",
             stream_id=text_of(stream_id),
             interaction_count=int(turns or 0),
         )
@@ -157,55 +163,53 @@ class Publisher(StorePart):
             trajectory_id = text_of(ep.get(b"trajectory_id"))
             result = await self._scripts.publish.run(
                 self._redis,
-                [
-                    self._keys.key(key.digest),
-                    ep_key,
-                    self._keys.turns(key.key_id, key.episode),
-                    self._keys.rewards(key.key_id, key.episode),
-                    self._keys.interaction_index(key.key_id, key.episode),
-                    self._keys.trajectories,
-                    self._keys.stats,
-                    self._keys.idle,
-                    self._keys.awaiting_reward,
-                    self._keys.trajectory_group(trajectory_id),
-                    self._keys.group(group_id) if group_id else self._keys.stats,
-                    self._keys.session(key.key_id, key.session_id)
+                PublishCall(
+                    key=self._keys.key(key.digest),
+                    episode_hash=ep_key,
+                    turns=self._keys.turns(key.key_id, key.episode),
+                    rewards=self._keys.rewards(key.key_id, key.episode),
+                    interaction_index=self._keys.interaction_index(key.key_id, key.episode),
+                    trajectories=self._keys.trajectories,
+                    stats=self._keys.stats,
+                    idle=self._keys.idle,
+                    awaiting_reward=self._keys.awaiting_reward,
+                    trajectory_group=self._keys.trajectory_group(trajectory_id),
+                    group=self._keys.group(group_id) if group_id else self._keys.stats,
+                    session=self._keys.session(key.key_id, key.session_id)
                     if key.mode == HEADER_MODE
                     else self._keys.stats,
-                    self._keys.episode_turns,
-                    self._keys.recent_trajectories,
-                ],
-                [
-                    key.episode,
-                    key.epoch,
-                    len(turns),
-                    trajectory_id,
-                    CODEC,
-                    data,
-                    repr(now),
-                    reason,
-                    ENDED_EPISODE_TTL_S,
-                    member,
-                    stats["interactions"],
-                    stats["joined"],
-                    repr(hold_until),
-                    group_id,
-                    int(ep.get(b"group_size") or 0),
-                    key.mode,
-                    summary,
-                    RECENT_KEPT,
-                ],
+                    episode_turns=self._keys.episode_turns,
+                    recent_trajectories=self._keys.recent_trajectories,
+                    episode=key.episode,
+                    epoch=key.epoch,
+                    turn_count=len(turns),
+                    trajectory_id=trajectory_id,
+                    codec=CODEC,
+                    data=data,
+                    now=now,
+                    end_reason=reason,
+                    ttl_s=ENDED_EPISODE_TTL_S,
+                    member=member,
+                    interactions=stats["interactions"],
+                    joined=stats["joined"],
+                    hold_until=hold_until,
+                    group_id=group_id,
+                    group_size=int(ep.get(b"group_size") or 0),
+                    mode=key.mode,
+                    summary=summary,
+                    recent_kept=RECENT_KEPT,
+                ),
             )
-            status = text_of(result[0])
-            if status == "retry":
+            if result.status is Publish.RETRY:
                 continue
-            if status in {"published", "empty", "held"}:
+            if result.status in ENDED:
+                status = result.status.value
                 if self.on_ended is not None and state in {"active", HELD}:
                     # Counted once: an episode this call found already ended is a retry.
                     since = float(ep.get(b"ended_at") or now) if state == HELD else now
                     self.on_ended(status, reason, max(0.0, time.time() - since))
-                return self._ended(key, result, status=status, end_reason=reason)
-            if status == "missing":
+                return self._ended(key, result, end_reason=reason)
+            if result.status is Publish.MISSING:
                 raise Conflict(f"episode {key.episode} no longer exists")
             raise Conflict(f"episode {key.episode} is no longer the key's active episode")
         raise Unavailable(
@@ -221,17 +225,17 @@ class Publisher(StorePart):
             return False
         return ep.get(b"last_interaction", b"") not in rewards
 
-    def _ended(self, key: KeyState, result: Any, *, status: str, end_reason: str) -> Publication:
+    def _ended(self, key: KeyState, result: Published, *, end_reason: str) -> Publication:
         publication = Publication(
-            status=status,
+            status=result.status.value,
             session_id=key.session_id or key.episode,
-            stream_id=text_of(result[1]),
-            trajectory_id=text_of(result[2]),
-            interaction_count=int(result[3]),
+            stream_id=result.stream_id,
+            trajectory_id=result.trajectory_id,
+            interaction_count=result.turns,
         )
         log.info(
             "episode_ended",
-            status=status,
+            status=publication.status,
             session_id=key.episode,
             trajectory_id=publication.trajectory_id,
             turns=publication.interaction_count,
@@ -274,10 +278,9 @@ class Publisher(StorePart):
     async def claim_due(self, *, held: bool, lease_s: float, limit: int) -> list[str]:
         """Claims due `digest/episode` members: idle active episodes, or held ones (held)."""
         zset = self._keys.awaiting_reward if held else self._keys.idle
-        members = await self._scripts.claim_due.run(
-            self._redis, [zset], [repr(time.time()), repr(lease_s), limit]
+        return await self._scripts.claim_due.run(
+            self._redis, ClaimDueCall(zset=zset, now=time.time(), lease_s=lease_s, limit=limit)
         )
-        return [text_of(m) for m in members]
 
     async def reap_idle(self, member: str) -> Publication | None:
         """Ends the idle episode `digest/episode` if it is still active and still idle."""

@@ -10,18 +10,21 @@ Episodes published before the revocation stay on the stream; their `key_id` name
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.dataproxy import scripts
 from services.dataproxy.access_keys import AccessKeyStore, RevokedKey
 from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
-from services.dataproxy.scripts import KeyRevoked, RevokeKey
+from services.dataproxy.scripts import (
+    KeyRevoked,
+    RevokeCandidate,
+    RevokeKey,
+    RevokeKeyCall,
+)
 from services.runtime.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 from services.runtime.keys import key_id_of, looks_like_key_id
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import text_of
+from services.runtime.redis_scripts import Script, text_of
 
 log = get_logger(__name__)
 
@@ -41,7 +44,7 @@ class SessionKeyRevoker:
     def __init__(self, *, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._script = scripts.load("revoke_key")
+        self._script = Script.load(RevokeKeyCall, KeyRevoked.parse)
 
     async def refusal(self, digest: str) -> Unauthenticated:
         """The error for a digest with no key hash: revoked, or never issued here."""
@@ -95,8 +98,8 @@ class SessionKeyRevoker:
         key_id = key_id_of(digest)
         candidates = set(names)
         for _ in range(MAX_REVOKE_ATTEMPTS):
-            keys, args = await self._arguments(digest, key_id, sorted(candidates))
-            result = KeyRevoked.parse(await self._script.run(self._redis, keys, args))
+            call = await self._call(digest, key_id, sorted(candidates))
+            result = await self._script.run(self._redis, call)
             if result.status is RevokeKey.RETRY:
                 candidates.add(result.missing)
                 continue
@@ -110,34 +113,41 @@ class SessionKeyRevoker:
             )
         raise Conflict("the key kept starting episodes while it was being revoked; retry")
 
-    async def _arguments(
-        self, digest: str, key_id: str, names: list[str]
-    ) -> tuple[list[str], list[Any]]:
+    async def _call(self, digest: str, key_id: str, names: list[str]) -> RevokeKeyCall:
         pipe = self._redis.pipeline(transaction=False)
         for name in names:
             pipe.hmget(self._keys.episode(key_id, name), "session_id", "group_id")
         found = await pipe.execute() if names else []
-        keys = [
-            self._keys.key(digest),
-            self._keys.revoked(digest),
-            self._keys.stats,
-            self._keys.idle,
-            self._keys.awaiting_reward,
-            self._keys.episode_turns,
-        ]
-        args: list[Any] = [digest, repr(time.time()), ENDED_EPISODE_TTL_S, "session"]
+        candidates = []
         for name, (session_id, group_id) in zip(names, found, strict=True):
             group = text_of(group_id)
-            keys += [
-                self._keys.episode(key_id, name),
-                self._keys.turns(key_id, name),
-                self._keys.rewards(key_id, name),
-                self._keys.interaction_index(key_id, name),
-                self._keys.group(group) if group else self._keys.stats,
-                self._keys.session(key_id, text_of(session_id)) if session_id else self._keys.stats,
-            ]
-            args += [name, group]
-        return keys, args
+            candidates.append(
+                RevokeCandidate(
+                    episode_hash=self._keys.episode(key_id, name),
+                    turns=self._keys.turns(key_id, name),
+                    rewards=self._keys.rewards(key_id, name),
+                    interaction_index=self._keys.interaction_index(key_id, name),
+                    group=self._keys.group(group) if group else self._keys.stats,
+                    session=self._keys.session(key_id, text_of(session_id))
+                    if session_id
+                    else self._keys.stats,
+                    episode=name,
+                    group_id=group,
+                )
+            )
+        return RevokeKeyCall(
+            key=self._keys.key(digest),
+            tombstone=self._keys.revoked(digest),
+            stats=self._keys.stats,
+            idle=self._keys.idle,
+            awaiting_reward=self._keys.awaiting_reward,
+            episode_turns=self._keys.episode_turns,
+            digest=digest,
+            now=time.time(),
+            ttl_s=ENDED_EPISODE_TTL_S,
+            default_kind="session",
+            candidates=candidates,
+        )
 
 
 class KeyRevocation:

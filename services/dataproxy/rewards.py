@@ -17,7 +17,7 @@ from services.dataproxy.episode_state import (
     session_name,
 )
 from services.dataproxy.publication import Publisher
-from services.dataproxy.scripts import RewardSet, SetReward
+from services.dataproxy.scripts import SetReward, SetRewardCall
 from services.runtime.errors import (
     Conflict,
     InvalidRequest,
@@ -49,17 +49,20 @@ class Rewards(StorePart):
             raise InvalidRequest(f"reward must be a finite number, got {reward!r}")
         key = await self._lookup.resolve(digest)
         target, mode = await self._reward_target(key, session_id)
-        reply = await self._scripts.set_reward.run(
+        result = await self._scripts.set_reward.run(
             self._redis,
-            [
-                self._keys.key(digest),
-                self._keys.episode(key.key_id, target.episode),
-                self._keys.rewards(key.key_id, target.episode),
-                self._keys.interaction_index(key.key_id, target.episode),
-            ],
-            [target.episode, target.epoch, interaction_id, repr(float(reward)), mode],
+            SetRewardCall(
+                key=self._keys.key(digest),
+                episode_hash=self._keys.episode(key.key_id, target.episode),
+                rewards=self._keys.rewards(key.key_id, target.episode),
+                interaction_index=self._keys.interaction_index(key.key_id, target.episode),
+                episode=target.episode,
+                epoch=target.epoch,
+                interaction_id=interaction_id,
+                reward=float(reward),
+                mode=mode,
+            ),
         )
-        result = RewardSet.parse(reply)
         if result.status is SetReward.NOT_ACTIVE:
             raise Conflict(NO_ACTIVE_EPISODE)
         if result.status is SetReward.NO_INTERACTION:

@@ -11,29 +11,20 @@ a trimmer: the script is idempotent.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from types import TracebackType
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import TrimResult, TrimStreamCall
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript, text_of
+from services.runtime.redis_scripts import Script
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
 DEFAULT_INTERVAL_S = 30.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrimResult:
-    """One pass: entries removed, the smallest id kept ("" when not by groups), and why."""
-
-    trimmed: int
-    min_id: str
-    mode: str  # "groups" | "maxlen" | "" (nothing to do)
 
 
 class StreamTrimmer:
@@ -53,7 +44,7 @@ class StreamTrimmer:
         self._interval_s = interval_s
         self._max_len = max(0, max_len_without_groups)
         self._timeout_s = command_timeout_s
-        self._script = LuaScript.load("services.dataproxy", "trim_stream")
+        self._script = Script.load(TrimStreamCall, TrimResult.parse)
         self._task: asyncio.Task[None] | None = None
         # Passes run by `run()`, and how many of them failed (Redis unreachable, timeout).
         self.passes = 0
@@ -95,7 +86,9 @@ class StreamTrimmer:
     async def trim_once(self) -> TrimResult:
         """One atomic pass over the groups; what it removed."""
         async with asyncio.timeout(self._timeout_s):
-            trimmed, min_id, mode = await self._script.run(
-                self._redis, keys=[self._keys.trajectories], args=[self._max_len]
+            return await self._script.run(
+                self._redis,
+                TrimStreamCall(
+                    stream=self._keys.trajectories, max_len_without_groups=self._max_len
+                ),
             )
-        return TrimResult(trimmed=int(trimmed), min_id=text_of(min_id), mode=text_of(mode))

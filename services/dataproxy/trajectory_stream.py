@@ -14,9 +14,10 @@ from redis.exceptions import ResponseError
 
 from schema.trajectory import CODEC
 from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.scripts import AckCall, SetVersionCall, VersionSet
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript, text_of
+from services.runtime.redis_scripts import Script, as_int, text_of
 
 log = get_logger(__name__)
 
@@ -74,8 +75,8 @@ class TrajectoryStream:
         self._reclaim_idle_ms = max(1, int(reclaim_idle_s * 1000))
         self._block_ms = max(1, int(block_s * 1000))
         self._timeout_s = command_timeout_s
-        self._ack = LuaScript.load("services.dataproxy", "ack_trajectory")
-        self._set_version = LuaScript.load("services.dataproxy", "set_version")
+        self._ack = Script.load(AckCall, as_int)
+        self._set_version = Script.load(SetVersionCall, VersionSet.parse)
 
     async def ensure_group(self, group: str, *, include_history: bool = False) -> None:
         """Creates the consumer group unless it exists: reading what is published from now on
@@ -132,12 +133,14 @@ class TrajectoryStream:
         for start in range(0, len(stream_ids), _ACK_CHUNK):
             chunk = stream_ids[start : start + _ACK_CHUNK]
             async with asyncio.timeout(self._timeout_s):
-                acked += int(
-                    await self._ack.run(
-                        self._redis,
-                        keys=[self._keys.trajectories, self._keys.stats],
-                        args=[group, *chunk],
-                    )
+                acked += await self._ack.run(
+                    self._redis,
+                    AckCall(
+                        stream=self._keys.trajectories,
+                        stats=self._keys.stats,
+                        group=group,
+                        stream_ids=chunk,
+                    ),
                 )
         return acked
 
@@ -148,17 +151,21 @@ class TrajectoryStream:
         async with asyncio.timeout(self._timeout_s):
             reply = await self._set_version.run(
                 self._redis,
-                keys=[self._keys.weight_version, self._keys.weight_version_epoch],
-                args=[version, "1" if allow_rollback else "0"],
+                SetVersionCall(
+                    weight_version=self._keys.weight_version,
+                    epoch=self._keys.weight_version_epoch,
+                    version=version,
+                    allow_rollback=allow_rollback,
+                ),
             )
-        if not int(reply[0]):
+        if not reply.moved:
             raise InvalidRequest(
-                f"weight version {version} is older than the current one ({int(reply[1])}); "
+                f"weight version {version} is older than the current one ({reply.current}); "
                 "versions only move forward unless the trainer says it went back (restarted "
                 "from an older checkpoint): SetWeightVersion with allow_rollback=true",
                 code="weight_version_decreased",
             )
-        previous = int(reply[2])
+        previous = reply.previous
         if version < previous:
             log.warning("weight_version_rolled_back", version=version, previous=previous)
         return version

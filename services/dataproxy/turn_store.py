@@ -21,7 +21,13 @@ from services.dataproxy.episode_state import (
     StorePart,
     session_name,
 )
-from services.dataproxy.scripts import AppendedTurn, AppendTurn, BeganTurn, BeginTurn
+from services.dataproxy.scripts import (
+    AppendedTurn,
+    AppendTurn,
+    AppendTurnCall,
+    BeginTurn,
+    BeginTurnCall,
+)
 from services.dataproxy.turns import decode_turns, history_entry
 from services.runtime.errors import (
     InvalidRequest,
@@ -53,22 +59,25 @@ class TurnStore(StorePart):
         (waiting for capacity like any start); other keys ignore `session_id`.
         """
         for _ in range(MAX_PUBLISH_ATTEMPTS):
-            reply = await self._scripts.begin_turn.run(
+            began = await self._scripts.begin_turn.run(
                 self._redis,
-                [
-                    self._keys.key(digest),
-                    self._keys.paused,
-                    self._keys.in_flight,
-                    self._keys.weight_version,
-                    self._keys.session(key_id_of(digest), session_id)
+                BeginTurnCall(
+                    key=self._keys.key(digest),
+                    paused=self._keys.paused,
+                    in_flight=self._keys.in_flight,
+                    weight_version=self._keys.weight_version,
+                    session=self._keys.session(key_id_of(digest), session_id)
                     if session_id
                     else self._keys.paused,
-                    self._keys.idle,
-                    self._keys.episode_turns,
-                ],
-                [token, repr(lease_until), repr(time.time()), session_id, digest],
+                    idle=self._keys.idle,
+                    episode_turns=self._keys.episode_turns,
+                    token=token,
+                    lease_until=lease_until,
+                    now=time.time(),
+                    session_id=session_id,
+                    digest=digest,
+                ),
             )
-            began = BeganTurn.parse(reply)
             if began.status is BeginTurn.OK:
                 header = began.mode == HEADER_MODE
                 return ActiveEpisode(
@@ -146,32 +155,29 @@ class TurnStore(StorePart):
         self, episode: ActiveEpisode, *, interaction_id: str, record: bytes, expected: int
     ) -> AppendedTurn:
         now = time.time()
-        reply = await self._scripts.append_turn.run(
+        return await self._scripts.append_turn.run(
             self._redis,
-            [
-                self._keys.key(episode.digest),
-                self._keys.episode(episode.key_id, episode.episode),
-                self._keys.turns(episode.key_id, episode.episode),
-                self._keys.interaction_index(episode.key_id, episode.episode),
-                self._keys.idle,
-                self._keys.in_flight,
-                self._keys.weight_version,
-                self._keys.episode_turns,
-            ],
-            [
-                episode.episode,
-                episode.epoch,
-                interaction_id,
-                record,
-                repr(now),
-                repr(now + self._policy.session_idle_timeout_s),
-                episode.idle_member,
-                episode.lease_token,
-                expected,
-                episode.mode,
-            ],
+            AppendTurnCall(
+                key=self._keys.key(episode.digest),
+                episode_hash=self._keys.episode(episode.key_id, episode.episode),
+                turns=self._keys.turns(episode.key_id, episode.episode),
+                interaction_index=self._keys.interaction_index(episode.key_id, episode.episode),
+                idle=self._keys.idle,
+                in_flight=self._keys.in_flight,
+                weight_version=self._keys.weight_version,
+                episode_turns=self._keys.episode_turns,
+                episode=episode.episode,
+                epoch=episode.epoch,
+                interaction_id=interaction_id,
+                record=record,
+                now=now,
+                idle_until=now + self._policy.session_idle_timeout_s,
+                idle_member=episode.idle_member,
+                lease_token=episode.lease_token,
+                expected_version=expected,
+                mode=episode.mode,
+            ),
         )
-        return AppendedTurn.parse(reply)
 
     def _appended(self, episode: ActiveEpisode, interaction_id: str, appended: AppendedTurn) -> int:
         if appended.status is AppendTurn.ENDED:

@@ -20,9 +20,16 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.router.placement import WorkerState, choose, is_live, keeps_affinity
+from services.router.scripts import (
+    ClaimAffinityCall,
+    HeartbeatCall,
+    RoutedSession,
+    Snapshot,
+    SnapshotCall,
+)
 from services.runtime.errors import InvalidRequest, Unavailable, state_store_unavailable
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import Script, as_bool
 
 log = get_logger(__name__)
 
@@ -84,9 +91,9 @@ class Registry:
         self._forget_after_s = forget_after_s
         self._affinity_ttl_ms = max(1, round(affinity_ttl_s * 1000))
         self._clock = clock
-        self._heartbeat = LuaScript.load("services.router", "heartbeat")
-        self._snapshot = LuaScript.load("services.router", "snapshot")
-        self._claim = LuaScript.load("services.router", "claim_affinity")
+        self._heartbeat = Script.load(HeartbeatCall, as_bool)
+        self._snapshot = Script.load(SnapshotCall, Snapshot.parse)
+        self._claim = Script.load(ClaimAffinityCall, as_bool)
 
     async def register(
         self, *, worker_id: str, address: str, models: Sequence[str], timeout_s: float
@@ -116,12 +123,18 @@ class Registry:
         async with _redis_deadline(timeout_s, "heartbeat"):
             known = await self._heartbeat.run(
                 self._redis,
-                keys=[k.workers, k.heartbeats, k.in_flight],
-                args=[worker_id, f"{self._clock():.6f}", max(0, in_flight)],
+                HeartbeatCall(
+                    workers=k.workers,
+                    heartbeats=k.heartbeats,
+                    in_flight=k.in_flight,
+                    worker_id=worker_id,
+                    now=f"{self._clock():.6f}",
+                    in_flight_turns=max(0, in_flight),
+                ),
             )
         if not known:
             log.info("heartbeat_from_unknown_worker", worker_id=worker_id)
-        return bool(known)
+        return known
 
     async def deregister(self, *, worker_id: str, timeout_s: float) -> bool:
         """Forgets the worker so it is chosen for nothing; True when it was registered."""
@@ -142,8 +155,8 @@ class Registry:
     async def list_workers(self, *, timeout_s: float) -> list[WorkerState]:
         """Every registered worker, live or not, ordered by worker id."""
         async with _redis_deadline(timeout_s, "list_workers"):
-            _, *replies = await self._read(keys=[])
-        return self._workers_from(replies)
+            snapshot = await self._read()
+        return self._workers_from(snapshot)
 
     async def route(
         self, *, session: str, model: str, avoid_worker_id: str, timeout_s: float
@@ -155,9 +168,11 @@ class Registry:
         member = f"{session}:{model}"
         async with _redis_deadline(timeout_s, "route"):
             for _ in range(_PLACE_ATTEMPTS):
-                raw_affinity, *replies = await self._read(keys=[affinity_key], member=member)
-                workers = self._workers_from(replies)
-                current_id = raw_affinity.decode() if raw_affinity else ""
+                snapshot = await self._read(
+                    routed=RoutedSession(affinity=affinity_key), member=member
+                )
+                workers = self._workers_from(snapshot)
+                current_id = snapshot.affinity
                 current = next((w for w in workers if w.worker_id == current_id), None)
                 if current is not None and keeps_affinity(
                     current, model=model, avoid_worker_id=avoid_worker_id
@@ -166,13 +181,16 @@ class Registry:
                 chosen = choose(workers, model=model, avoid_worker_id=avoid_worker_id)
                 claimed = await self._claim.run(
                     self._redis,
-                    keys=[
-                        affinity_key,
-                        self._keys.workers,
-                        self._keys.worker_sessions(chosen.worker_id),
-                        self._keys.worker_sessions(current_id),
-                    ],
-                    args=[current_id, chosen.worker_id, self._affinity_ttl_ms, member],
+                    ClaimAffinityCall(
+                        affinity=affinity_key,
+                        workers=self._keys.workers,
+                        chosen_sessions=self._keys.worker_sessions(chosen.worker_id),
+                        current_sessions=self._keys.worker_sessions(current_id),
+                        current=current_id,
+                        chosen=chosen.worker_id,
+                        ttl_ms=self._affinity_ttl_ms,
+                        member=member,
+                    ),
                 )
                 if claimed:
                     log.info(
@@ -189,27 +207,42 @@ class Registry:
             retry_after_s=0.1,
         )
 
-    async def _read(self, *, keys: Sequence[str], member: str = "") -> list[Any]:
-        """One snapshot script: [affinity, workers, heartbeats, in-flight, session counts],
-        after forgetting the workers silent for longer than `forget_after_s`."""
+    async def _read(self, *, routed: RoutedSession | None = None, member: str = "") -> Snapshot:
+        """One snapshot script (with the affinity of `routed`), after forgetting the workers
+        silent for longer than `forget_after_s`."""
         k = self._keys
         forget_before = self._clock() - self._forget_after_s
-        reply = await self._snapshot.run(
+        snapshot = await self._snapshot.run(
             self._redis,
-            keys=[k.workers, k.heartbeats, k.in_flight, *keys],
-            args=[k.worker_sessions(""), self._affinity_ttl_ms, member, f"{forget_before:.6f}"],
+            SnapshotCall(
+                workers=k.workers,
+                heartbeats=k.heartbeats,
+                in_flight=k.in_flight,
+                sessions_prefix=k.worker_sessions(""),
+                affinity_ttl_ms=self._affinity_ttl_ms,
+                member=member,
+                forget_before=f"{forget_before:.6f}",
+                routed=[routed] if routed else [],
+            ),
         )
-        *snapshot, forgotten = reply
-        for raw_id in forgotten:
+        for worker_id in snapshot.forgotten:
             log.info(
                 "worker_forgotten",
-                worker_id=raw_id.decode(),
+                worker_id=worker_id,
                 silent_for_more_than_s=self._forget_after_s,
             )
-        return list(snapshot)
+        return snapshot
 
-    def _workers_from(self, replies: Sequence[Any]) -> list[WorkerState]:
-        raw_workers, heartbeats, in_flight, sessions = (_pairs(reply) for reply in replies)
+    def _workers_from(self, snapshot: Snapshot) -> list[WorkerState]:
+        raw_workers, heartbeats, in_flight, sessions = (
+            _pairs(reply)
+            for reply in (
+                snapshot.workers,
+                snapshot.heartbeats,
+                snapshot.in_flight,
+                snapshot.sessions,
+            )
+        )
         last_seen = {wid.decode(): float(at) for wid, at in heartbeats.items()}
         load = {wid.decode(): int(n) for wid, n in in_flight.items()}
         assigned = {wid.decode(): int(n) for wid, n in sessions.items()}

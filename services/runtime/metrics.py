@@ -15,7 +15,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 
 from services.runtime.errors import RollgateError
 from services.runtime.logs import get_logger
-from services.runtime.redis_scripts import LuaScript
+from services.runtime.redis_scripts import KEY, Script, ScriptCall, as_bool
 from services.runtime.tasks import cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer, incoming
 from stackconfig import env_str
@@ -202,6 +202,25 @@ class ServiceMetrics:
             self._refreshed_at = time.monotonic()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimLeaseCall(ScriptCall):
+    """claim_exporter_lease.lua: takes the lease if free, renews it if `holder`'s; 1 if held."""
+
+    SCRIPT = "claim_exporter_lease"
+    lease: str = field(metadata=KEY)
+    holder: str
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseLeaseCall(ScriptCall):
+    """release_exporter_lease.lua: gives the lease up if `holder`'s (always 0)."""
+
+    SCRIPT = "release_exporter_lease"
+    lease: str = field(metadata=KEY)
+    holder: str
+
+
 class ExporterLease:
     """`async with`: which replica of a service exports the global values — whoever holds
     this Redis key. A background task takes the lease when it is free and renews it while it
@@ -214,8 +233,8 @@ class ExporterLease:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._renew_every_s = ttl_s / LEASE_RENEWALS_PER_TTL
         self._me = secrets.token_hex(8)
-        self._script = LuaScript.load("services.runtime", "claim_exporter_lease")
-        self._release = LuaScript.load("services.runtime", "release_exporter_lease")
+        self._script = Script.load(ClaimLeaseCall, as_bool)
+        self._release = Script.load(ReleaseLeaseCall, as_bool)
         # Monotonic time until which the lease is surely ours: a claim's start plus the TTL
         # (the key, set after that start, expires later), so this replica stops exporting
         # before another one can take the lease over.
@@ -252,7 +271,8 @@ class ExporterLease:
         try:
             async with asyncio.timeout(min(GLOBAL_READ_TIMEOUT_S, self._renew_every_s)):
                 ours = await self._script.run(
-                    self._redis, keys=[self._key], args=[self._me, self._ttl_ms]
+                    self._redis,
+                    ClaimLeaseCall(lease=self._key, holder=self._me, ttl_ms=self._ttl_ms),
                 )
         except (TimeoutError, OSError, aioredis.RedisError) as err:
             if not self._failing:
@@ -262,7 +282,7 @@ class ExporterLease:
             self._failing = True
             return
         self._failing = False
-        self._held_until = started + self._ttl_s if int(ours) else 0.0
+        self._held_until = started + self._ttl_s if ours else 0.0
 
     async def release(self) -> None:
         """Gives the lease up (only if still ours), so another replica takes over at its next
@@ -271,7 +291,9 @@ class ExporterLease:
         self._held_until = 0.0
         with contextlib.suppress(TimeoutError, OSError, aioredis.RedisError):
             async with asyncio.timeout(GLOBAL_READ_TIMEOUT_S):
-                await self._release.run(self._redis, keys=[self._key], args=[self._me])
+                await self._release.run(
+                    self._redis, ReleaseLeaseCall(lease=self._key, holder=self._me)
+                )
 
 
 def gauge(name: str, documentation: str, value: float) -> Metric:

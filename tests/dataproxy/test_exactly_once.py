@@ -165,7 +165,7 @@ def keys(key_prefix: str) -> RedisKeys:
 async def faulty_store(
     redis_url: str, redis_client: aioredis.Redis, keys: RedisKeys, *, fault: Fault, retries: int
 ) -> AsyncIterator[tuple[SessionStore, FaultProxy]]:
-    publish = Scripts.load().publish
+    publish = Scripts.load().publish.lua
     # Cached up front: the EVALSHA itself must run the script (no NOSCRIPT round first).
     await redis_client.script_load(publish.source)
     target = urlparse(redis_url)

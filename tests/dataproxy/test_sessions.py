@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from schema.packing import unpack_float32, unpack_int32
 from services.dataproxy.redis_keys import RedisKeys
-from services.dataproxy.scripts import Scripts
+from services.dataproxy.scripts import Publish, PublishCall, Scripts
 from services.dataproxy.sessions import ActiveEpisode, KeyState, SessionStore
 from services.runtime.errors import (
     Conflict,
@@ -243,21 +243,45 @@ async def test_publish_script_refuses_when_a_turn_landed_since_the_read(
     scripts = Scripts.load()
 
     # As if the publisher had read the episode before its one turn landed.
-    status, *_ = await scripts.publish.run(
+    result = await scripts.publish.run(
         redis_client,
-        [
-            keys.key(key.digest),
-            keys.episode(key.key_id, key.episode),
-            keys.turns(key.key_id, key.episode),
-            keys.rewards(key.key_id, key.episode),
-            keys.interaction_index(key.key_id, key.episode),
-            keys.trajectories,
-            keys.stats,
-        ],
-        [key.episode, key.epoch, 0, "traj-x", "msgpack", b"", "0", "end_session", 60],
+        PublishCall(
+            key=keys.key(key.digest),
+            episode_hash=keys.episode(key.key_id, key.episode),
+            turns=keys.turns(key.key_id, key.episode),
+            rewards=keys.rewards(key.key_id, key.episode),
+            interaction_index=keys.interaction_index(key.key_id, key.episode),
+            trajectories=keys.trajectories,
+            stats=keys.stats,
+            idle=keys.idle,
+            awaiting_reward=keys.awaiting_reward,
+            trajectory_group=keys.trajectory_group("traj-x"),
+            group=keys.stats,
+            session=keys.stats,
+            episode_turns=keys.episode_turns,
+            recent_trajectories=keys.recent_trajectories,
+            episode=key.episode,
+            epoch=key.epoch,
+            turn_count=0,
+            trajectory_id="traj-x",
+            codec="msgpack",
+            data=b"",
+            now=0.0,
+            end_reason="end_session",
+            ttl_s=60,
+            member=f"{key.digest}/{key.episode}",
+            interactions=0,
+            joined=0,
+            hold_until=0.0,
+            group_id="",
+            group_size=0,
+            mode=key.mode,
+            summary=b"",
+            recent_kept=1,
+        ),
     )
 
-    assert status == b"retry"
+    assert result.status is Publish.RETRY
     assert await redis_client.xlen(keys.trajectories) == 0
     assert (await store.resolve(key.digest)).active
     # The store's own publication re-reads and succeeds.
