@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -64,88 +65,93 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # 
         method = handler_call_details.method
         if handler is None or method.startswith("/grpc.health"):
             return handler
-        service = self._service
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
+        kind = _kind(handler)
+        if not kind:
+            return handler
+        method_handler, wrap = _WRAPPERS[kind]
+        return method_handler(
+            wrap(getattr(handler, kind), service=self._service, method=method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                started = time.perf_counter()
-                try:
-                    check_request_strings(request)
-                    return await inner_uu(request, context)
-                except Exception as err:
-                    await _abort(context, err, service=service, method=method)
-                finally:
-                    _log_rpc(method, started, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+def _kind(handler: grpc.RpcMethodHandler) -> str:
+    for kind in ("unary_unary", "unary_stream", "stream_stream", "stream_unary"):
+        if getattr(handler, kind) is not None:
+            return kind
+    return ""
 
-            async def unary_stream(
-                request: Any, context: grpc.aio.ServicerContext[Any, Any]
-            ) -> Any:
-                started = time.perf_counter()
-                try:
-                    check_request_strings(request)
-                    async for item in inner_us(request, context):
-                        yield item
-                except Exception as err:
-                    await _abort(context, err, service=service, method=method)
-                finally:
-                    _log_rpc(method, started, context)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
+def _answering(
+    inner: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]],
+    *,
+    service: str,
+    method: str,
+    unary_request: bool,
+) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+    """A unary-response RPC (unary_unary, stream_unary) with errors mapped and logged."""
 
-            async def stream_stream(
-                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-            ) -> Any:
-                started = time.perf_counter()
-                try:
-                    # Each request of the stream is bounded by the servicer, per op: a stream
-                    # carries many turns, and one bad op must not end the others.
-                    async for item in inner_ss(requests, context):
-                        yield item
-                except Exception as err:
-                    await _abort(context, err, service=service, method=method)
-                finally:
-                    _log_rpc(method, started, context)
+    async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            if unary_request:
+                check_request_strings(request)
+            return await inner(request, context)
+        except Exception as err:
+            await _abort(context, err, service=service, method=method)
+        finally:
+            _log_rpc(method, started, context)
 
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
+    return call
 
-            async def stream_unary(
-                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-            ) -> Any:
-                started = time.perf_counter()
-                try:
-                    return await inner_su(requests, context)
-                except Exception as err:
-                    await _abort(context, err, service=service, method=method)
-                finally:
-                    _log_rpc(method, started, context)
 
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+def _streaming(
+    inner: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]],
+    *,
+    service: str,
+    method: str,
+    unary_request: bool,
+) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]:
+    """A streaming-response RPC (unary_stream, stream_stream) with errors mapped and logged.
+
+    A stream of requests is bounded by its servicer, per op: a stream carries many turns, and
+    one bad op must not end the others.
+    """
+
+    async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        started = time.perf_counter()
+        try:
+            if unary_request:
+                check_request_strings(request)
+            async for item in inner(request, context):
+                yield item
+        except Exception as err:
+            await _abort(context, err, service=service, method=method)
+        finally:
+            _log_rpc(method, started, context)
+
+    return call
+
+
+_WRAPPERS: dict[str, tuple[Callable[..., grpc.RpcMethodHandler], Callable[..., Any]]] = {
+    "unary_unary": (
+        grpc.unary_unary_rpc_method_handler,
+        functools.partial(_answering, unary_request=True),
+    ),
+    "stream_unary": (
+        grpc.stream_unary_rpc_method_handler,
+        functools.partial(_answering, unary_request=False),
+    ),
+    "unary_stream": (
+        grpc.unary_stream_rpc_method_handler,
+        functools.partial(_streaming, unary_request=True),
+    ),
+    "stream_stream": (
+        grpc.stream_stream_rpc_method_handler,
+        functools.partial(_streaming, unary_request=False),
+    ),
+}
 
 
 def check_request_strings(request: Any) -> None:
