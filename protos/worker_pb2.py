@@ -25,29 +25,39 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0brollgate.v1\x1a\x13protos/common.proto\"\x90\x01\n\x0fGenerateRequest\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0crequest_json\x18\x04 \x01(\x0c\x12\x13\n\x0bparams_json\x18\x05 \x01(\x0c\x12\x13\n\x0b\x64\x65ltas_only\x18\x06 \x01(\x08\"d\n\x10GenerateResponse\x12\'\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x17.rollgate.v1.ChunkBatch\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\"m\n\nChunkBatch\x12\x0e\n\x06\x63hunks\x18\x01 \x03(\x0c\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12!\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x12.rollgate.v1.Delta\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\"[\n\x05\x44\x65lta\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12.\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1a.rollgate.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"N\n\x10\x43ompleteResponse\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xdc\x01\n\x06Worker\x12I\n\x08Generate\x12\x1c.rollgate.v1.GenerateRequest\x1a\x1d.rollgate.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.rollgate.v1.GenerateRequest\x1a\x1d.rollgate.v1.CompleteResponse\x12>\n\x05\x41\x62ort\x12\x19.rollgate.v1.AbortRequest\x1a\x1a.rollgate.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0brollgate.v1\x1a\x13protos/common.proto\"+\n\x07TurnOps\x12 \n\x03ops\x18\x01 \x03(\x0b\x32\x13.rollgate.v1.TurnOp\"m\n\x06TurnOp\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x05start\x18\x02 \x01(\x0b\x32\x16.rollgate.v1.TurnStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x16\n\x0c\x63redit_bytes\x18\x04 \x01(\x04H\x00\x42\x04\n\x02op\"\x88\x01\n\tTurnStart\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.rollgate.v1.GenerateRequest\x12\x0e\n\x06stream\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x14\n\x0cwindow_bytes\x18\x05 \x01(\x04\"4\n\nTurnEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.rollgate.v1.TurnEvent\"\xac\x01\n\tTurnEvent\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\tgenerated\x18\x02 \x01(\x0b\x32\x1d.rollgate.v1.GenerateResponseH\x00\x12\x32\n\tcompleted\x18\x03 \x01(\x0b\x32\x1d.rollgate.v1.CompleteResponseH\x00\x12\x14\n\nerror_json\x18\x04 \x01(\x0cH\x00\x12\x0c\n\x04size\x18\x05 \x01(\x04\x42\x07\n\x05\x65vent\"\x90\x01\n\x0fGenerateRequest\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0crequest_json\x18\x04 \x01(\x0c\x12\x13\n\x0bparams_json\x18\x05 \x01(\x0c\x12\x13\n\x0b\x64\x65ltas_only\x18\x06 \x01(\x08\"d\n\x10GenerateResponse\x12\'\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x17.rollgate.v1.ChunkBatch\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\"m\n\nChunkBatch\x12\x0e\n\x06\x63hunks\x18\x01 \x03(\x0c\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12!\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x12.rollgate.v1.Delta\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\"[\n\x05\x44\x65lta\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\x11\n\treasoning\x18\x02 \x01(\t\x12.\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1a.rollgate.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"N\n\x10\x43ompleteResponse\x12\x11\n\tbody_json\x18\x01 \x01(\x0c\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.rollgate.v1.TurnRecord\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x98\x02\n\x06Worker\x12I\n\x08Generate\x12\x1c.rollgate.v1.GenerateRequest\x1a\x1d.rollgate.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.rollgate.v1.GenerateRequest\x1a\x1d.rollgate.v1.CompleteResponse\x12>\n\x05\x41\x62ort\x12\x19.rollgate.v1.AbortRequest\x1a\x1a.rollgate.v1.AbortResponse\x12:\n\x05Turns\x12\x14.rollgate.v1.TurnOps\x1a\x17.rollgate.v1.TurnEvents(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=58
-  _globals['_GENERATEREQUEST']._serialized_end=202
-  _globals['_GENERATERESPONSE']._serialized_start=204
-  _globals['_GENERATERESPONSE']._serialized_end=304
-  _globals['_CHUNKBATCH']._serialized_start=306
-  _globals['_CHUNKBATCH']._serialized_end=415
-  _globals['_DELTA']._serialized_start=417
-  _globals['_DELTA']._serialized_end=508
-  _globals['_TOOLCALLDELTA']._serialized_start=510
-  _globals['_TOOLCALLDELTA']._serialized_end=585
-  _globals['_COMPLETERESPONSE']._serialized_start=587
-  _globals['_COMPLETERESPONSE']._serialized_end=665
-  _globals['_ABORTREQUEST']._serialized_start=667
-  _globals['_ABORTREQUEST']._serialized_end=701
-  _globals['_ABORTRESPONSE']._serialized_start=703
-  _globals['_ABORTRESPONSE']._serialized_end=733
-  _globals['_WORKER']._serialized_start=736
-  _globals['_WORKER']._serialized_end=956
+  _globals['_TURNOPS']._serialized_start=57
+  _globals['_TURNOPS']._serialized_end=100
+  _globals['_TURNOP']._serialized_start=102
+  _globals['_TURNOP']._serialized_end=211
+  _globals['_TURNSTART']._serialized_start=214
+  _globals['_TURNSTART']._serialized_end=350
+  _globals['_TURNEVENTS']._serialized_start=352
+  _globals['_TURNEVENTS']._serialized_end=404
+  _globals['_TURNEVENT']._serialized_start=407
+  _globals['_TURNEVENT']._serialized_end=579
+  _globals['_GENERATEREQUEST']._serialized_start=582
+  _globals['_GENERATEREQUEST']._serialized_end=726
+  _globals['_GENERATERESPONSE']._serialized_start=728
+  _globals['_GENERATERESPONSE']._serialized_end=828
+  _globals['_CHUNKBATCH']._serialized_start=830
+  _globals['_CHUNKBATCH']._serialized_end=939
+  _globals['_DELTA']._serialized_start=941
+  _globals['_DELTA']._serialized_end=1032
+  _globals['_TOOLCALLDELTA']._serialized_start=1034
+  _globals['_TOOLCALLDELTA']._serialized_end=1109
+  _globals['_COMPLETERESPONSE']._serialized_start=1111
+  _globals['_COMPLETERESPONSE']._serialized_end=1189
+  _globals['_ABORTREQUEST']._serialized_start=1191
+  _globals['_ABORTREQUEST']._serialized_end=1225
+  _globals['_ABORTRESPONSE']._serialized_start=1227
+  _globals['_ABORTRESPONSE']._serialized_end=1257
+  _globals['_WORKER']._serialized_start=1260
+  _globals['_WORKER']._serialized_end=1540
 # @@protoc_insertion_point(module_scope)

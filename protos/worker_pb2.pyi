@@ -20,6 +20,172 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class TurnOps(_message.Message):
+    """The ops that were ready to go together, in the order they were asked."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnOp]: ...
+    def __init__(
+        self,
+        *,
+        ops: _abc.Iterable[Global___TurnOp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnOps: _TypeAlias = TurnOps  # noqa: Y015
+
+@_typing.final
+class TurnOp(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    CREDIT_BYTES_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the gateway, unique on its stream; the turn's events carry it back."""
+    cancel: _builtins.bool
+    """The gateway gave up on the turn (its client went away, its deadline passed): the
+    worker stops it (the upstream call is closed) and sends nothing more for it.
+    """
+    credit_bytes: _builtins.int
+    """The gateway handed on this many more bytes of the turn's events (their `size`): the
+    worker may send that much more of the turn (per-turn flow control: a slow client holds
+    up its own turn and the upstream call behind it, never the stream's other turns).
+    """
+    @_builtins.property
+    def start(self) -> Global___TurnStart: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        start: Global___TurnStart | None = ...,
+        cancel: _builtins.bool = ...,
+        credit_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "credit_bytes", b"credit_bytes", "op", b"op", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "credit_bytes", b"credit_bytes", "id", b"id", "op", b"op", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["start", "cancel", "credit_bytes"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___TurnOp: _TypeAlias = TurnOp  # noqa: Y015
+
+@_typing.final
+class TurnStart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    WINDOW_BYTES_FIELD_NUMBER: _builtins.int
+    stream: _builtins.bool
+    """True: a streamed turn (Generate's chunk batches, then the record); false: Complete's."""
+    timeout_s: _builtins.float
+    """What is left of the turn's budget (a stream has no per-turn deadline of its own)."""
+    traceparent: _builtins.str
+    """The W3C traceparent of the turn ("" when untraced): the trace travels with each turn."""
+    window_bytes: _builtins.int
+    """How many bytes of events (their `size`) the worker may send ahead of the credits: it
+    waits once that many are outstanding (the event that crosses the limit still goes); the
+    gateway credits what it handed on once that is half a window. 0: no limit.
+    """
+    @_builtins.property
+    def request(self) -> Global___GenerateRequest: ...
+    def __init__(
+        self,
+        *,
+        request: Global___GenerateRequest | None = ...,
+        stream: _builtins.bool = ...,
+        timeout_s: _builtins.float = ...,
+        traceparent: _builtins.str = ...,
+        window_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stream", b"stream", "timeout_s", b"timeout_s", "traceparent", b"traceparent", "window_bytes", b"window_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnStart: _TypeAlias = TurnStart  # noqa: Y015
+
+@_typing.final
+class TurnEvents(_message.Message):
+    """The events that were ready together (in the order they were ready)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___TurnEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnEvents: _TypeAlias = TurnEvents  # noqa: Y015
+
+@_typing.final
+class TurnEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    GENERATED_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    ERROR_JSON_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The TurnOp id of the turn."""
+    error_json: _builtins.bytes
+    """The turn failed (it ends): a RollgateError as JSON {kind, message, code,
+    retry_after_s}, what the `rollgate-error-bin` trailing metadata of a call carries.
+    """
+    size: _builtins.int
+    """The bytes of chunks and delta text this event carries, counted against the turn's window."""
+    @_builtins.property
+    def generated(self) -> Global___GenerateResponse:
+        """A streamed turn's chunks, its record, or both (the turn ends with the record)."""
+
+    @_builtins.property
+    def completed(self) -> Global___CompleteResponse:
+        """A unary turn's answer (the turn ends)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        generated: Global___GenerateResponse | None = ...,
+        completed: Global___CompleteResponse | None = ...,
+        error_json: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "error_json", b"error_json", "event", b"event", "generated", b"generated"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "error_json", b"error_json", "event", b"event", "generated", b"generated", "id", b"id", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["generated", "completed", "error_json"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___TurnEvent: _TypeAlias = TurnEvent  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

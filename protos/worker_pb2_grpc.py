@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Turns = channel.stream_stream(
+                '/rollgate.v1.Worker/Turns',
+                request_serializer=protos_dot_worker__pb2.TurnOps.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.TurnEvents.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -76,6 +81,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Turns(self, request_iterator, context):
+        """Many turns over one long-lived stream (the gateway keeps one per worker and sends every
+        turn over it instead of a Generate or Complete call each): a turn is a start, then maybe
+        credits and a cancel, and its events back, matched by the turn's id, in any order. Each
+        message carries every op (every event) that was ready to go together: the cost of a
+        stream is per message, and a message on an open stream is a fraction of a call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +109,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'Turns': grpc.stream_stream_rpc_method_handler(
+                    servicer.Turns,
+                    request_deserializer=protos_dot_worker__pb2.TurnOps.FromString,
+                    response_serializer=protos_dot_worker__pb2.TurnEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +197,33 @@ class Worker:
             '/rollgate.v1.Worker/Abort',
             protos_dot_worker__pb2.AbortRequest.SerializeToString,
             protos_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Turns(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rollgate.v1.Worker/Turns',
+            protos_dot_worker__pb2.TurnOps.SerializeToString,
+            protos_dot_worker__pb2.TurnEvents.FromString,
             options,
             channel_credentials,
             insecure,

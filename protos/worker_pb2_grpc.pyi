@@ -39,6 +39,13 @@ class WorkerStub:
     """Stops the running Generate call with this request_id: its stream ends normally with a
     TurnRecord of the tokens so far (finish_reason "abort").
     """
+    Turns: _grpc.StreamStreamMultiCallable[_worker_pb2.TurnOps, _worker_pb2.TurnEvents]
+    """Many turns over one long-lived stream (the gateway keeps one per worker and sends every
+    turn over it instead of a Generate or Complete call each): a turn is a start, then maybe
+    credits and a cancel, and its events back, matched by the turn's id, in any order. Each
+    message carries every op (every event) that was ready to go together: the cost of a
+    stream is per message, and a message on an open stream is a fraction of a call.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -50,6 +57,13 @@ class WorkerAsyncStub(WorkerStub):
     Abort: _aio.UnaryUnaryMultiCallable[_worker_pb2.AbortRequest, _worker_pb2.AbortResponse]  # type: ignore[assignment]
     """Stops the running Generate call with this request_id: its stream ends normally with a
     TurnRecord of the tokens so far (finish_reason "abort").
+    """
+    Turns: _aio.StreamStreamMultiCallable[_worker_pb2.TurnOps, _worker_pb2.TurnEvents]  # type: ignore[assignment]
+    """Many turns over one long-lived stream (the gateway keeps one per worker and sends every
+    turn over it instead of a Generate or Complete call each): a turn is a start, then maybe
+    credits and a cancel, and its events back, matched by the turn's id, in any order. Each
+    message carries every op (every event) that was ready to go together: the cost of a
+    stream is per message, and a message on an open stream is a fraction of a call.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -77,6 +91,19 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.AbortResponse, _abc.Awaitable[_worker_pb2.AbortResponse]]:
         """Stops the running Generate call with this request_id: its stream ends normally with a
         TurnRecord of the tokens so far (finish_reason "abort").
+        """
+
+    @_abc_1.abstractmethod
+    def Turns(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.TurnOps],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.TurnEvents], _abc.AsyncIterator[_worker_pb2.TurnEvents]]:
+        """Many turns over one long-lived stream (the gateway keeps one per worker and sends every
+        turn over it instead of a Generate or Complete call each): a turn is a start, then maybe
+        credits and a cancel, and its events back, matched by the turn's id, in any order. Each
+        message carries every op (every event) that was ready to go together: the cost of a
+        stream is per message, and a message on an open stream is a fraction of a call.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

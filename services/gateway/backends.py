@@ -75,7 +75,7 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
                 workers=workers,
                 console=console_pb2_grpc.ConsoleStub(dataproxy_channel),
             )
-            app[RELAY] = TurnRelay(
+            app[RELAY] = relay = TurnRelay(
                 routes=RouterRoutes(router, app[ROUTE_CACHE]),
                 ledger=ledger,
                 workers=workers,
@@ -86,6 +86,7 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
                 "backends_opened", router=settings.router_addr, dataproxy=settings.dataproxy_addr
             )
             yield
+            await relay.close()
         finally:
             await ledger.close()
             await router_channel.close()

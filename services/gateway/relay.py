@@ -1,12 +1,13 @@
 """The one relay of a turn, shared by chat completions, Responses and the WebSocket bridge.
 
 A turn: `BeginTurn` on the ledger (admission, the in-flight lease, the weight version; a key
-refused here never reaches the router, so it leaves no affinity) → route (cached) →
-`Worker.Generate` / `Worker.Complete` straight to the worker the router chose →
-each batch of chunks to the caller as it arrives, its output tokens stamped with the weight
-version current as it passes → `RecordTurn` on the ledger → the caller's end (`Done`: the
-recorded assistant message, usage and finish reason, nothing re-accumulated here). The end is
-never given before the record is written: an answered turn is a recorded turn.
+refused here never reaches the router, so it leaves no affinity) → route (cached) → the turn
+on the `Worker.Turns` stream to the worker the router chose (`worker_calls.py`) →
+the chunks to the caller as they arrive (all that came together as one event), their output
+tokens stamped with the weight version current as they pass → `RecordTurn` on the ledger →
+the caller's end (`Done`: the recorded assistant message, usage and finish reason, nothing
+re-accumulated here). The end is never given before the record is written: an answered turn
+is a recorded turn.
 
 The body is parsed once, by the protocol handler; the relay sends the worker the recorded
 part (`{"tools"?, "messages"}`, which the worker forwards without parsing it) and the other
@@ -22,21 +23,19 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
 import orjson
 
-from protos import worker_pb2, worker_pb2_grpc
+from protos import worker_pb2
 from services.gateway.header_mode import TurnTags
 from services.gateway.ledger import Admitted, LedgerClient
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
+from services.gateway.worker_calls import STOPPING_CODE, UNAVAILABLE_CODE, WorkerTurn, WorkerTurns
 from services.runtime import tracing
 from services.runtime.errors import (
     RollgateError,
-    UpstreamError,
     UpstreamTimeout,
     check_identifier,
-    from_rpc_error,
 )
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.logs import get_logger
@@ -46,8 +45,10 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# A bare UNAVAILABLE from a worker (no rollgate error in it): the process is not reachable.
-WORKER_UNAVAILABLE_CODE = "worker_unavailable"
+# A worker that could not be reached (or is shutting down) before the turn's first event: the
+# turn goes to another worker, once.
+WORKER_UNAVAILABLE_CODE = UNAVAILABLE_CODE
+_REROUTED = frozenset({UNAVAILABLE_CODE, STOPPING_CODE})
 # Releasing the lease of a turn that ends without a record is one small ledger op.
 RELEASE_TIMEOUT_S = 5.0
 # A record that failed with these never reached the dataproxy (which releases the lease of a
@@ -262,9 +263,6 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return {}
 
 
-_GenerateCall = Any
-
-
 class Routes(Protocol):
     """Which worker serves a turn."""
 
@@ -317,9 +315,14 @@ class TurnRelay:
     ) -> None:
         self._routes = routes
         self._ledger = ledger
-        self._workers = workers
+        # One Turns stream per worker, on the pool's channels.
+        self._workers = WorkerTurns(workers)
         self._rpc_timeout_s = rpc_timeout_s
         self._metrics = metrics
+
+    async def close(self) -> None:
+        """Ends the workers' streams (gateway shutdown, after its in-flight turns)."""
+        await self._workers.close()
 
     async def stream(
         self, spec: TurnSpec, *, on_routed: Callable[[str], None] | None = None
@@ -329,43 +332,59 @@ class TurnRelay:
         (where an abort of the turn goes)."""
         admitted: Admitted | None = None
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
-        answered = False
         failure: RollgateError | None = None
-        call: _GenerateCall = None
+        turn: WorkerTurn | None = None
         clock = TurnClock(self._metrics, stream=True)
         try:
             # Admission first: a key that is unknown, revoked or between episodes is refused
             # before the router places it, so it leaves no affinity behind.
             admitted = await self._begin(spec)
             choice = await self._route(spec)
-            call, message, choice = await self._open(spec, admitted, choice)
+            turn, events, choice = await self._open(spec, admitted, choice, stream=True)
             if on_routed is not None:
                 on_routed(choice.address)
             spans = _VersionSpans(ledger=self._ledger, admitted=admitted.weight_version)
-            while not message.HasField("record"):
-                batch = message.chunks
-                spans.add(batch.output_tokens)
-                if batch.output_tokens:
-                    clock.output()
-                if spec.deltas_only:
-                    if batch.HasField("delta"):
-                        yield _delta(batch.delta)
-                elif batch.chunks:
-                    yield Chunks(payloads=list(batch.chunks), prompt_tokens=batch.prompt_tokens)
-                message = await self._read(call)
-            # The worker's stream ends on its own now (not cancelled: its turn ended well).
-            answered = True
-            tail = message.chunks
+            # Chunks that came together go on together (one event, one client write); those
+            # that came with the record go with the end, unless nothing was sent before them
+            # (the first token is never held back).
+            sent = False
+            record: worker_pb2.GenerateResponse | None = None
+            while record is None:
+                payloads: list[bytes] = []
+                prompt_tokens = 0
+                for event in events:
+                    message = event.generated
+                    if message.HasField("record"):
+                        record = message
+                        break
+                    batch = message.chunks
+                    spans.add(batch.output_tokens)
+                    if batch.output_tokens:
+                        clock.output()
+                    if spec.deltas_only:
+                        if batch.HasField("delta"):
+                            sent = True
+                            yield _delta(batch.delta)
+                    elif batch.chunks:
+                        payloads.extend(batch.chunks)
+                        prompt_tokens = batch.prompt_tokens
+                if payloads and (record is None or not sent):
+                    sent = True
+                    yield Chunks(payloads=payloads, prompt_tokens=prompt_tokens)
+                    payloads = []
+                if record is None:
+                    events = await turn.events()
+            tail = record.chunks
             spans.add(tail.output_tokens)
             if tail.output_tokens:
                 clock.output()
             recording = True
-            done = await self._record(spec, admitted, message.record, spans.spans)
+            done = await self._record(spec, admitted, record.record, spans.spans)
             ended = True
-            clock.recorded(message.record)
+            clock.recorded(record.record)
             yield Done(
                 **done,
-                tail=[] if spec.deltas_only else list(tail.chunks),
+                tail=[] if spec.deltas_only else [*payloads, *tail.chunks],
                 tail_delta=_delta(tail.delta) if tail.HasField("delta") else None,
             )
         except RollgateError as err:
@@ -374,9 +393,9 @@ class TurnRelay:
             clock.failed(err)
             raise
         finally:
-            if call is not None and not answered:
+            if turn is not None:
                 # Stops the generation when the caller gave up or the turn failed.
-                call.cancel()
+                turn.cancel()
             if admitted is not None and not ended:
                 failed_call = "Ledger.record" if recording else "Worker.Generate"
                 await self._release(spec, admitted, failure, failed_call)
@@ -386,25 +405,13 @@ class TurnRelay:
         admitted: Admitted | None = None
         recording = ended = False
         failure: RollgateError | None = None
+        turn: WorkerTurn | None = None
         clock = TurnClock(self._metrics, stream=False)
         try:
             admitted = await self._begin(spec)
             choice = await self._route(spec)
-            request = self._generate_request(spec, admitted)
-            rerouted = False
-            while True:
-                stub = worker_pb2_grpc.WorkerStub(self._workers.get(choice.address))
-                try:
-                    answer = await stub.Complete(
-                        request, timeout=spec.remaining_s(), metadata=tracing.grpc_metadata()
-                    )
-                    break
-                except grpc.aio.AioRpcError as err:
-                    error = from_rpc_error(err, hop="worker")
-                    if rerouted or error.code != WORKER_UNAVAILABLE_CODE:
-                        raise error from None
-                    rerouted = True
-                    choice = await self._reroute(spec, choice)
+            turn, events, _ = await self._open(spec, admitted, choice, stream=False)
+            answer = events[0].completed
             recording = True
             done = await self._record(spec, admitted, answer.record, None)
             ended = True
@@ -416,6 +423,8 @@ class TurnRelay:
             clock.failed(err)
             raise
         finally:
+            if turn is not None:
+                turn.cancel()
             if admitted is not None and not ended:
                 failed_call = "Ledger.record" if recording else "Worker.Complete"
                 await self._release(spec, admitted, failure, failed_call)
@@ -453,43 +462,32 @@ class TurnRelay:
         )
 
     async def _open(
-        self, spec: TurnSpec, admitted: Admitted, choice: WorkerChoice
-    ) -> tuple[_GenerateCall, worker_pb2.GenerateResponse, WorkerChoice]:
-        """Starts `Worker.Generate` and reads its first message (rerouted once when the worker
-        is unreachable), before anything reaches the client."""
+        self, spec: TurnSpec, admitted: Admitted, choice: WorkerChoice, *, stream: bool
+    ) -> tuple[WorkerTurn, list[worker_pb2.TurnEvent], WorkerChoice]:
+        """Starts the turn on its worker's stream and waits for its first events (routed to
+        another worker once when that one cannot be reached), before anything reaches the
+        client."""
         request = self._generate_request(spec, admitted)
+        trace = tracing.current()
         rerouted = False
         while True:
-            stub = worker_pb2_grpc.WorkerStub(self._workers.get(choice.address))
-            call = stub.Generate(
-                request, timeout=spec.remaining_s(), metadata=tracing.grpc_metadata()
+            turn = self._workers.start(
+                choice.address,
+                request,
+                stream=stream,
+                timeout_s=spec.remaining_s(),
+                traceparent=trace.header() if trace is not None else "",
             )
             try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as err:
-                error = from_rpc_error(err, hop="worker")
-                if rerouted or error.code != WORKER_UNAVAILABLE_CODE:
-                    raise error from None
+                return turn, await turn.events(), choice
+            except RollgateError as error:
+                if rerouted or turn.received or error.code not in _REROUTED:
+                    raise
                 rerouted = True
                 choice = await self._reroute(spec, choice)
-                continue
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                raise UpstreamError("the worker ended the turn without a token record")
-            return call, first, choice
-
-    @staticmethod
-    async def _read(call: _GenerateCall) -> worker_pb2.GenerateResponse:
-        try:
-            message = await call.read()
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, hop="worker") from None
-        if message is grpc.aio.EOF:
-            raise UpstreamError("the worker ended the turn without a token record")
-        assert isinstance(message, worker_pb2.GenerateResponse)
-        return message
+            finally:
+                if not turn.received:
+                    turn.cancel()
 
     async def _record(
         self,

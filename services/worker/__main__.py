@@ -13,7 +13,12 @@ from protos import router_pb2_grpc, worker_pb2_grpc
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
-from services.runtime.metrics import MetricsServer, RpcMetricsInterceptor, ServiceMetrics
+from services.runtime.metrics import (
+    MetricsServer,
+    RpcMetrics,
+    RpcMetricsInterceptor,
+    ServiceMetrics,
+)
 from services.runtime.service_main import service_main
 from services.runtime.settings import Sources
 from services.runtime.tracing import tracer_for
@@ -22,6 +27,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.registration import Registration
 from services.worker.servicer import WorkerServicer
 from services.worker.settings import WorkerSettings
+from services.worker.turn_streams import TurnHook
 from services.worker.turns import TurnRunner
 from services.worker.upstream import RequestPolicy, UpstreamClient
 from stackconfig import DEFAULT_MODEL_ALIAS
@@ -153,10 +159,17 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
                 interceptors=(RpcMetricsInterceptor(metrics.rpc, tracer=tracer),),
             )
         )
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(runner, upstream_timeout_s=settings.upstream_timeout_s, metrics=counted),
-            server.server,
+        servicer = WorkerServicer(
+            runner,
+            upstream_timeout_s=settings.upstream_timeout_s,
+            metrics=counted,
+            on_turn=turn_metrics(metrics.rpc),
+            tracer=tracer,
         )
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
+        # In the stop sequence, before the server stops: no new turns on the gateways'
+        # streams; the running ones finish within the grace period, then the streams end.
+        server.on_drain(servicer.streams.close)
         await stack.enter_async_context(server)
         await server.set_serving()
         channel = open_channel(settings.router_addr)
@@ -188,6 +201,17 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         yield RunningWorker(
             server=server, runner=runner, registration=registration, address=address
         )
+
+
+def turn_metrics(rpc: RpcMetrics) -> TurnHook:
+    """Counts each turn of a Turns stream like the call it replaces: `rollgate.v1.Worker`
+    method `Generate` or `Complete`."""
+
+    def observe(method: str, code: str, seconds: float, message: str) -> None:
+        rpc.handled.labels(grpc_service=SERVICE_NAME, grpc_method=method, grpc_code=code).inc()
+        rpc.duration.labels(grpc_service=SERVICE_NAME, grpc_method=method).observe(seconds)
+
+    return observe
 
 
 def _settings(src: Sources, *, host: str | None, port: int | None) -> WorkerSettings:

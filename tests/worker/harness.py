@@ -18,6 +18,7 @@ from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.secret import Secret
 from services.worker.adapters import adapter_for
 from services.worker.servicer import WorkerServicer
+from services.worker.turn_streams import TurnStreams
 from services.worker.turns import TurnRunner
 from services.worker.upstream import RequestPolicy, UpstreamClient
 
@@ -31,6 +32,8 @@ class WorkerUnderTest:
     channel: grpc.aio.Channel
     # host:port the worker listens on.
     address: str = ""
+    # The worker's Turns streams (what a gateway's turns run on).
+    streams: TurnStreams | None = None
 
 
 @contextlib.asynccontextmanager
@@ -60,9 +63,8 @@ async def running_worker(
                 grace_s=1.0,
             )
         )
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(runner, upstream_timeout_s=timeout_s), server.server
-        )
+        servicer = WorkerServicer(runner, upstream_timeout_s=timeout_s)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
         async with server:
             await server.set_serving()
             address = f"127.0.0.1:{server.port}"
@@ -73,6 +75,7 @@ async def running_worker(
                     runner=runner,
                     channel=channel,
                     address=address,
+                    streams=servicer.streams,
                 )
             finally:
                 await channel.close()

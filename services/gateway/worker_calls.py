@@ -1,0 +1,304 @@
+"""The gateway's side of the workers' `Turns` streams: one long-lived stream per worker, turns
+by id.
+
+Every relayed turn is a `TurnStart` on the stream to the worker the router chose instead of a
+`Generate` or `Complete` call of its own (a message on an open stream costs a fraction of a
+call: docs/internals.md, *What a turn costs*). One writer task per stream sends every op
+queued meanwhile as one `TurnOps`; one reader task hands each `TurnEvent` to its turn. A turn
+reads its events in batches (all that came since it last asked: chunks that arrived together
+go on together). Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's
+chunks ahead of what its caller has taken; what the caller takes is credited back once half a
+window has gone, so a slow client stalls only its own turn. A stream that breaks fails its
+turns (a turn that had no event yet fails as `worker_unavailable`: the relay may route it
+to another worker) and is reopened by the next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import Any
+
+import grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+from services.runtime.errors import (
+    RollgateError,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+    from_payload,
+    from_rpc_error,
+)
+from services.runtime.grpc_client import ChannelPool
+from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
+
+log = get_logger(__name__)
+
+# How far a worker may run ahead of a turn's client (bytes of chunks and delta text).
+WINDOW_BYTES = 256 * 1024
+# A worker that is shutting down refuses new turns with this code: not started, reroutable.
+STOPPING_CODE = "worker_stopping"
+UNAVAILABLE_CODE = "worker_unavailable"
+
+
+def _unreachable() -> RollgateError:
+    return Unavailable(
+        "the worker is unreachable; retry shortly", code=UNAVAILABLE_CODE, retry_after_s=1.0
+    )
+
+
+def _no_record() -> RollgateError:
+    return UpstreamError("the worker ended the turn without a token record")
+
+
+def _error_of(event: worker_pb2.TurnEvent) -> RollgateError:
+    return from_payload(event.error_json) or UpstreamError("the worker failed the turn")
+
+
+def _is_last(event: worker_pb2.TurnEvent) -> bool:
+    kind = event.WhichOneof("event")
+    return kind != "generated" or event.generated.HasField("record")
+
+
+class WorkerTurn:
+    """One turn on a worker's stream: its events, in batches, as they come."""
+
+    __slots__ = (
+        "_credited",
+        "_error",
+        "_inbox",
+        "_stream",
+        "_taken",
+        "_timer",
+        "_waiter",
+        "ended",
+        "id",
+        "received",
+    )
+
+    def __init__(self, stream: _WorkerStream, turn_id: int, timeout_s: float) -> None:
+        self._stream = stream
+        self.id = turn_id
+        self._inbox: list[worker_pb2.TurnEvent] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: RollgateError | None = None
+        # Bytes the caller has taken (credited back in half-windows) and what went back.
+        self._taken = 0
+        self._credited = 0
+        # True once an answer came (not an error): the worker has the turn, it is not routed
+        # elsewhere.
+        self.received = False
+        # True once its last event came, it failed, or it was cancelled.
+        self.ended = False
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+
+    async def events(self) -> list[worker_pb2.TurnEvent]:
+        """Every event that came since the last call (waits for the first); raises the turn's
+        RollgateError after the events that came before it."""
+        self._credit()
+        while not self._inbox:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events = self._inbox
+        for index, event in enumerate(events):
+            if event.WhichOneof("event") == "error_json":
+                self._error = _error_of(event)
+                events, self._inbox = events[:index], []
+                if not events:
+                    raise self._error
+                break
+        else:
+            self._inbox = []
+        self._taken += sum(e.size for e in events)
+        return events
+
+    def _credit(self) -> None:
+        # What the caller took last time has been handed on (it asks again only then).
+        owed = self._taken - self._credited
+        if owed >= WINDOW_BYTES // 2 and not self.ended:
+            self._credited = self._taken
+            self._stream.send(worker_pb2.TurnOp(id=self.id, credit_bytes=owed))
+
+    def cancel(self) -> None:
+        """The caller is done with the turn: when it has not ended, the worker stops it."""
+        self._timer.cancel()
+        if not self.ended:
+            self.ended = True
+            self._stream.cancel(self.id)
+
+    def deliver(self, event: worker_pb2.TurnEvent) -> None:
+        """An event of this turn came."""
+        if event.WhichOneof("event") != "error_json":
+            self.received = True
+        if _is_last(event):
+            self.ended = True
+            self._timer.cancel()
+        self._inbox.append(event)
+        self._wake()
+
+    def fail(self, error: RollgateError) -> None:
+        """The turn cannot go on (its stream broke, its deadline passed)."""
+        if self._error is None:
+            self._error = error
+        self.ended = True
+        self._timer.cancel()
+        self._wake()
+
+    def _expire(self) -> None:
+        if not self.ended:
+            self.fail(UpstreamTimeout("the worker did not answer in time", code="worker_timeout"))
+            self._stream.cancel(self.id)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class _WorkerStream:
+    """One open `Worker.Turns` call: ops queued and written together, events by turn id."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._call: Any = worker_pb2_grpc.WorkerStub(channel).Turns()
+        self._outbox: list[worker_pb2.TurnOp] = []
+        self._queued = asyncio.Event()
+        self._turns: dict[int, WorkerTurn] = {}
+        self._closing = False
+        self.alive = True
+        # The worker said it is shutting down: new turns go to a new stream.
+        self.stopping = False
+        self._reader = asyncio.create_task(self._read(), name="worker-turns-reader")
+        self._writer = asyncio.create_task(self._write(), name="worker-turns-writer")
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and not self.stopping and not self._closing
+
+    def start(self, turn_id: int, start: worker_pb2.TurnStart, timeout_s: float) -> WorkerTurn:
+        """Queues the turn's start; its events go to the WorkerTurn."""
+        turn = WorkerTurn(self, turn_id, timeout_s)
+        self._turns[turn_id] = turn
+        self.send(worker_pb2.TurnOp(id=turn_id, start=start))
+        return turn
+
+    def send(self, op: worker_pb2.TurnOp) -> None:
+        if self.alive:
+            self._outbox.append(op)
+            self._queued.set()
+
+    def cancel(self, turn_id: int) -> None:
+        """Stops a turn: never sent when its start is still queued, else a cancel op."""
+        self._turns.pop(turn_id, None)
+        queued = len(self._outbox)
+        self._outbox = [op for op in self._outbox if op.id != turn_id]
+        if len(self._outbox) == queued:
+            self.send(worker_pb2.TurnOp(id=turn_id, cancel=True))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                if not self._outbox:
+                    if self._closing:
+                        await self._call.done_writing()
+                        return
+                    self._queued.clear()
+                    await self._queued.wait()
+                    continue
+                ops, self._outbox = self._outbox, []
+                await self._call.write(worker_pb2.TurnOps(ops=ops))
+        except Exception as err:  # any broken write fails the stream's turns
+            self._fail(from_rpc_error(err, hop="worker") if _rpc(err) else _unreachable())
+
+    async def _read(self) -> None:
+        error: RollgateError | None = None
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    break
+                for event in message.events:
+                    turn = self._turns.get(event.id)
+                    if turn is None:
+                        continue  # cancelled meanwhile
+                    if _is_last(event):
+                        del self._turns[event.id]
+                        if event.WhichOneof("event") == "error_json" and not turn.received:
+                            self.stopping = self.stopping or _error_of(event).code == STOPPING_CODE
+                    turn.deliver(event)
+        except grpc.aio.AioRpcError as err:
+            error = from_rpc_error(err, hop="worker")
+        finally:
+            self._fail(error)
+
+    def _fail(self, error: RollgateError | None) -> None:
+        """The stream ended or broke: each turn on it fails (one without any event yet as
+        unreachable, so the relay may route it elsewhere)."""
+        self.alive = False
+        self._outbox = []
+        turns, self._turns = self._turns, {}
+        for turn in turns.values():
+            if turn.received:
+                turn.fail(error or _no_record())
+            else:
+                turn.fail(error or _unreachable())
+
+    async def close(self) -> None:
+        """Half-closes the stream (after what is queued is written), then stops reading."""
+        self._closing = True
+        self._queued.set()
+        if self.alive:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await asyncio.shield(self._writer)
+                    await asyncio.shield(self._reader)
+        self._call.cancel()
+        await cancel_and_wait(self._writer)
+        await cancel_and_wait(self._reader)
+
+
+def _rpc(err: Exception) -> bool:
+    return isinstance(err, grpc.aio.AioRpcError)
+
+
+class WorkerTurns:
+    """Turns over one `Turns` stream per worker address, on the workers' channels."""
+
+    def __init__(self, channels: ChannelPool) -> None:
+        self._channels = channels
+        self._streams: dict[str, _WorkerStream] = {}
+        self._ids = itertools.count(1)
+
+    def start(
+        self,
+        address: str,
+        request: worker_pb2.GenerateRequest,
+        *,
+        stream: bool,
+        timeout_s: float,
+        traceparent: str = "",
+    ) -> WorkerTurn:
+        """Starts a turn on the worker at `address` (its stream opened when there is none)."""
+        worker = self._streams.get(address)
+        if worker is None or not worker.usable:
+            worker = self._streams[address] = _WorkerStream(self._channels.get(address))
+        start = worker_pb2.TurnStart(
+            request=request,
+            stream=stream,
+            timeout_s=timeout_s,
+            traceparent=traceparent,
+            window_bytes=WINDOW_BYTES,
+        )
+        return worker.start(next(self._ids), start, timeout_s)
+
+    async def close(self) -> None:
+        """Ends every stream (gateway shutdown, after its in-flight turns)."""
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            await stream.close()

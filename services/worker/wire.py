@@ -1,0 +1,162 @@
+"""A turn's results as the Worker service's messages, one way for the calls and the stream.
+
+`generated` is a streamed turn as `GenerateResponse`s (chunk batches, then the record, the
+last batch with it unless it is also the first: the first token is never held back);
+`completed` a unary turn as a `CompleteResponse`. Both count the turn in the worker's metrics
+and log a failure before raising it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from protos import common_pb2, worker_pb2
+from schema.packing import pack_float32, pack_int32
+from services.runtime.errors import RollgateError, UpstreamError
+from services.runtime.logs import get_logger
+from services.worker.metrics import WorkerMetrics
+from services.worker.turn import AnswerDelta, TurnResult
+from services.worker.turns import StreamBatch, TurnRunner
+from services.worker.upstream import ClientRequest, client_request
+
+log = get_logger(__name__)
+
+# TurnRecord / TurnSample fields that travel packed (int32 / float32 little-endian).
+_PACKED = {"prompt_token_ids": "i", "output_token_ids": "i", "output_logprobs": "f"}
+
+
+def log_failure(request: worker_pb2.GenerateRequest, err: RollgateError) -> None:
+    """The worker's line about a failed turn."""
+    log.warning(
+        "turn_failed",
+        request_id=request.request_id,
+        error=type(err).__name__,
+        code=err.code,
+        message=err.message,
+    )
+
+
+def _packed(values: Sequence[Any], kind: str) -> bytes:
+    try:
+        return pack_int32(values) if kind == "i" else pack_float32(values)
+    except (TypeError, OverflowError):
+        raise UpstreamError("the upstream sent token ids that are not 32-bit integers") from None
+
+
+def _fields(result: Any) -> dict[str, Any]:
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    for name, kind in _PACKED.items():
+        if name in fields:
+            fields[name] = _packed(fields[name], kind)
+    return fields
+
+
+def turn_record(result: TurnResult) -> common_pb2.TurnRecord:
+    """The `TurnRecord` message of a turn result (same field names, arrays packed once)."""
+    fields = _fields(result)
+    fields["extra_samples"] = [common_pb2.TurnSample(**_fields(s)) for s in result.extra_samples]
+    return common_pb2.TurnRecord(**fields)
+
+
+def _delta(delta: AnswerDelta) -> worker_pb2.Delta:
+    return worker_pb2.Delta(
+        content=delta.content,
+        reasoning=delta.reasoning,
+        tool_calls=[
+            worker_pb2.ToolCallDelta(
+                index=f.index, id=f.call_id, name=f.name, arguments=f.arguments
+            )
+            for f in delta.tool_calls
+        ],
+    )
+
+
+def _batch(event: StreamBatch) -> worker_pb2.ChunkBatch:
+    batch = worker_pb2.ChunkBatch(
+        chunks=event.chunks, output_tokens=event.output_tokens, prompt_tokens=event.prompt_tokens
+    )
+    if event.delta:
+        batch.delta.CopyFrom(_delta(event.delta))
+    return batch
+
+
+def batch_size(batch: worker_pb2.ChunkBatch) -> int:
+    """The bytes of chunks and delta text a batch carries (what flow control counts)."""
+    size = sum(map(len, batch.chunks))
+    if batch.HasField("delta"):
+        delta = batch.delta
+        size += len(delta.content) + len(delta.reasoning)
+        size += sum(len(f.arguments) for f in delta.tool_calls)
+    return size
+
+
+def client_of(request: worker_pb2.GenerateRequest) -> ClientRequest:
+    """The client request a GenerateRequest carries."""
+    return client_request(
+        body_json=request.body_json,
+        request_json=request.request_json,
+        params_json=request.params_json,
+    )
+
+
+async def generated(
+    runner: TurnRunner,
+    request: worker_pb2.GenerateRequest,
+    *,
+    budget_s: float,
+    metrics: WorkerMetrics | None,
+) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+    """A streamed turn's messages; raises RollgateError (logged and counted)."""
+    events = runner.stream(
+        client_of(request),
+        budget_s=budget_s,
+        request_id=request.request_id,
+        deltas_only=request.deltas_only,
+    )
+    # The batch that ended the answer travels with the record (one message), unless it is
+    # also the first: the first token is never held back.
+    sent = False
+    last: worker_pb2.ChunkBatch | None = None
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, TurnResult):
+                    if metrics is not None:
+                        metrics.finished(event, stream=True)
+                    response = worker_pb2.GenerateResponse(record=turn_record(event))
+                    if last is not None:
+                        response.chunks.CopyFrom(last)
+                    yield response
+                elif event.final and sent:
+                    last = _batch(event)
+                else:
+                    sent = True
+                    yield worker_pb2.GenerateResponse(chunks=_batch(event))
+    except RollgateError as err:
+        log_failure(request, err)
+        if metrics is not None:
+            metrics.failed(err, stream=True)
+        raise
+
+
+async def completed(
+    runner: TurnRunner,
+    request: worker_pb2.GenerateRequest,
+    *,
+    budget_s: float,
+    metrics: WorkerMetrics | None,
+) -> worker_pb2.CompleteResponse:
+    """A unary turn's answer; raises RollgateError (logged and counted)."""
+    try:
+        turn = await runner.complete(client_of(request), budget_s=budget_s)
+    except RollgateError as err:
+        log_failure(request, err)
+        if metrics is not None:
+            metrics.failed(err, stream=False)
+        raise
+    if metrics is not None:
+        metrics.finished(turn.record, stream=False)
+    return worker_pb2.CompleteResponse(body_json=turn.body_json, record=turn_record(turn.record))

@@ -1,0 +1,162 @@
+"""The gateway's turns on one `Worker.Turns` stream per worker, against a real worker and the
+mock LLM: many turns share it, a turn's window holds only that turn, cancel stops the
+upstream call, a stopping worker refuses new turns as not started, an unreachable one fails
+them as not started."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from protos import worker_pb2
+from rollgate.redis_server import free_port
+from services.gateway import worker_calls
+from services.gateway.worker_calls import WorkerTurn, WorkerTurns
+from services.runtime.errors import RollgateError
+from services.runtime.grpc_client import ChannelPool
+from tests.harness.poll import eventually
+from tests.worker.harness import mock_and_worker
+
+LONG_TEXT = " ".join(f"word{i}" for i in range(40))
+
+
+def request(text: str, *, stream: bool) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        request_json=orjson.dumps({"messages": [{"role": "user", "content": text}]}),
+        params_json=orjson.dumps({"model": "rollgate-mock", "stream": stream}),
+        request_id=f"req-{text[:8]}",
+    )
+
+
+async def read_all(turn: WorkerTurn) -> tuple[str, worker_pb2.TurnEvent]:
+    """The text of a streamed turn's chunks and its last event."""
+    text: list[str] = []
+    while True:
+        for event in await turn.events():
+            for chunk in event.generated.chunks.chunks:
+                for choice in orjson.loads(chunk).get("choices") or ():
+                    text.append((choice.get("delta") or {}).get("content") or "")
+            if event.generated.HasField("record"):
+                return "".join(text), event
+
+
+def answer(record: Any) -> str:
+    return str(orjson.loads(record.assistant_message_json)["content"])
+
+
+async def test_many_turns_share_one_stream_and_each_gets_its_own_answer() -> None:
+    async with mock_and_worker(token_interval_ms=1) as (mock, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool)
+        streamed = [
+            turns.start(worker.address, request(f"stream {i} {LONG_TEXT}", stream=True),
+                        stream=True, timeout_s=10)
+            for i in range(6)
+        ]  # fmt: skip
+        unary = [
+            turns.start(worker.address, request(f"unary {i}", stream=False),
+                        stream=False, timeout_s=10)
+            for i in range(4)
+        ]  # fmt: skip
+        results = await asyncio.gather(*(read_all(t) for t in streamed))
+        answers = [(await t.events())[0] for t in unary]
+        assert len(turns._streams) == 1
+        await turns.close()
+    for i, (text, last) in enumerate(results):
+        assert f"you said stream {i} " in text
+        assert answer(last.generated.record) == text
+    for i, event in enumerate(answers):
+        assert f"you said unary {i}" in answer(event.completed.record)
+    assert mock.stats.requests == 10
+
+
+async def test_a_turn_that_is_not_read_waits_at_its_window_while_others_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_calls, "WINDOW_BYTES", 600)
+    async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool)
+        slow = turns.start(
+            worker.address, request(f"slow {LONG_TEXT}", stream=True), stream=True, timeout_s=10
+        )
+        first = await slow.events()
+        # The slow turn's reader takes nothing more: the worker stops at its window.
+        fast = turns.start(
+            worker.address, request(f"fast {LONG_TEXT}", stream=True), stream=True, timeout_s=10
+        )
+        text, _ = await read_all(fast)
+        assert "you said fast " in text
+        # What the worker sent of it is within its window (plus the one event that crossed it).
+        sent = [*first, *slow._inbox]
+        assert sum(e.size for e in sent) <= 600 + max(e.size for e in sent)
+        assert not any(e.generated.HasField("record") for e in sent)
+        # Read on: credits let the rest come, and the answer is whole.
+        rest, last = await read_all(slow)
+        await turns.close()
+    whole = "".join(
+        (choice.get("delta") or {}).get("content") or ""
+        for event in first
+        for chunk in event.generated.chunks.chunks
+        for choice in orjson.loads(chunk).get("choices") or ()
+    )
+    assert whole + rest == answer(last.generated.record)
+    assert "you said slow " in answer(last.generated.record)
+
+
+async def test_a_cancelled_turn_stops_its_upstream_call() -> None:
+    async with mock_and_worker(token_interval_ms=50) as (mock, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool)
+        turn = turns.start(
+            worker.address, request(LONG_TEXT, stream=True), stream=True, timeout_s=10
+        )
+        await turn.events()
+        turn.cancel()
+        await eventually(lambda: worker.runner.in_flight, want=0, what="the turn stopped")
+        await eventually(lambda: mock.stats.disconnects, want=1, what="the upstream call closed")
+        assert mock.stats.streams_finished == 0
+        # The stream stays usable for the next turn.
+        text, _ = await read_all(
+            turns.start(worker.address, request("next", stream=True), stream=True, timeout_s=10)
+        )
+        assert "you said next" in text
+        await turns.close()
+
+
+async def test_a_stopping_worker_refuses_new_turns_as_not_started_and_finishes_the_running() -> (
+    None
+):
+    async with mock_and_worker(token_interval_ms=20) as (_, worker), ChannelPool() as pool:
+        assert worker.streams is not None
+        turns = WorkerTurns(pool)
+        running = turns.start(
+            worker.address, request(LONG_TEXT, stream=True), stream=True, timeout_s=10
+        )
+        await running.events()
+        closing = asyncio.create_task(worker.streams.close(10.0))
+        await eventually(lambda: worker.streams is not None and worker.streams._closing)
+        refused = turns.start(worker.address, request("late", stream=False), stream=False,
+                              timeout_s=10)  # fmt: skip
+        with pytest.raises(RollgateError) as caught:
+            await refused.events()
+        assert caught.value.code == "worker_stopping"
+        assert not refused.received
+        _, last = await read_all(running)
+        assert "you said word0" in answer(last.generated.record)
+        assert last.generated.HasField("record")
+        await closing
+        await turns.close()
+
+
+async def test_an_unreachable_worker_fails_the_turn_as_not_started() -> None:
+    async with ChannelPool() as pool:
+        turns = WorkerTurns(pool)
+        turn = turns.start(
+            f"127.0.0.1:{free_port()}", request("hi", stream=False), stream=False, timeout_s=5
+        )
+        with pytest.raises(RollgateError) as caught:
+            await turn.events()
+        await turns.close()
+    assert caught.value.code == "worker_unavailable"
+    assert not turn.received
