@@ -30,7 +30,7 @@ from services.dataproxy.episode_state import (
     StorePart,
 )
 from services.dataproxy.publication import Publisher
-from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
+from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, KeyFields
 from services.dataproxy.scripts import (
     BindEpisode,
     BindEpisodeCall,
@@ -77,7 +77,7 @@ class EpisodeBinder(StorePart):
             return await self._start_group(task_id or DEFAULT_TASK_ID, group_size)
         if api_key:
             digest = key_digest(api_key)
-            mode = await self._redis.hget(self._keys.key(digest), "mode")
+            mode = await self._redis.hget(self._keys.key(digest), KeyFields.MODE)
             if mode == HEADER_MODE.encode():
                 raise InvalidRequest(HEADER_KEY_NO_START, code="header_mode_key")
             if await self._redis.exists(self._keys.key(digest)):
@@ -250,7 +250,7 @@ class EpisodeBinder(StorePart):
         )
 
     async def start_header_episode(self, digest: str, session_id: str, count: int) -> None:
-        task_id: Any = await self._redis.hget(self._keys.key(digest), "task_id")
+        task_id: Any = await self._redis.hget(self._keys.key(digest), KeyFields.TASK_ID)
         member = Member(
             digest=digest,
             task_id=text_of(task_id) or DEFAULT_TASK_ID,
@@ -275,13 +275,13 @@ class EpisodeBinder(StorePart):
         await self._redis.hset(
             self._keys.key(digest),
             mapping={
-                "key_id": key_id,
-                "task_id": task_id.strip() or DEFAULT_TASK_ID,
-                "mode": HEADER_MODE,
-                "state": "idle",
-                "episode": "",
-                "epoch": 0,
-                "created_at": repr(time.time()),
+                KeyFields.KEY_ID: key_id,
+                KeyFields.TASK_ID: task_id.strip() or DEFAULT_TASK_ID,
+                KeyFields.MODE: HEADER_MODE,
+                KeyFields.STATE: "idle",
+                KeyFields.EPISODE: "",
+                KeyFields.EPOCH: 0,
+                KeyFields.CREATED_AT: repr(time.time()),
             },
         )
         log.info("key_issued", key_id=key_id, mode=mode)

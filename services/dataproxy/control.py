@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.redis_keys import CapacityFields, RedisKeys, StatsFields
 from services.dataproxy.scripts import ReleaseTurnCall, Scripts
 from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
@@ -237,7 +237,7 @@ class Control:
         if episodes < 0:
             raise InvalidRequest(f"cannot grant {episodes} episodes", code="invalid_grant")
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            await self._redis.hincrby(self._keys.capacity, "grants", episodes)
+            await self._redis.hincrby(self._keys.capacity, CapacityFields.GRANTS, episodes)
         log.info("capacity_granted", episodes=episodes)
         return (await self.snapshot()).capacity
 
@@ -245,9 +245,15 @@ class Control:
         """Capacity left, paused, turns in flight and the share of joined interactions."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
             pipe = self._redis.pipeline(transaction=False)
-            pipe.hmget(self._keys.stats, "open_episodes", "published", "interactions", "joined")
+            pipe.hmget(
+                self._keys.stats,
+                StatsFields.OPEN_EPISODES,
+                StatsFields.PUBLISHED,
+                StatsFields.INTERACTIONS,
+                StatsFields.JOINED,
+            )
             pipe.get(self._keys.weight_version)
-            pipe.hget(self._keys.capacity, "grants")
+            pipe.hget(self._keys.capacity, CapacityFields.GRANTS)
             pipe.exists(self._keys.paused)
             pipe.zcount(self._keys.in_flight, f"({time.time()!r}", "+inf")
             (

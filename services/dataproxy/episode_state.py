@@ -9,7 +9,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.dataproxy.control import CapacityPolicy
-from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.redis_keys import EpisodeFields, KeyFields, RedisKeys, SessionFields
 from services.dataproxy.revocation import SessionKeyRevoker
 from services.dataproxy.scripts import Scripts
 from services.runtime.errors import (
@@ -220,7 +220,14 @@ class KeyLookup(StorePart):
 
     async def read_key(self, digest: str) -> KeyState | None:
         fields: list[Any] = await self._redis.hmget(
-            self._keys.key(digest), "key_id", "state", "episode", "epoch", "task_id", "held", "mode"
+            self._keys.key(digest),
+            KeyFields.KEY_ID,
+            KeyFields.STATE,
+            KeyFields.EPISODE,
+            KeyFields.EPOCH,
+            KeyFields.TASK_ID,
+            KeyFields.HELD,
+            KeyFields.MODE,
         )
         key_id, state, episode, epoch, task_id, held, mode = fields
         if key_id is None:
@@ -239,7 +246,10 @@ class KeyLookup(StorePart):
     async def session_episode(self, key: KeyState, session_id: str) -> KeyState:
         """The session's active episode (active=True), else its last one; 404 when none."""
         fields: list[Any] = await self._redis.hmget(
-            self._keys.session(key.key_id, session_id), "episode", "epoch", "last"
+            self._keys.session(key.key_id, session_id),
+            SessionFields.EPISODE,
+            SessionFields.EPOCH,
+            SessionFields.LAST,
         )
         current, epoch, last = fields
         episode, active = text_of(current), bool(current)
@@ -247,7 +257,9 @@ class KeyLookup(StorePart):
             episode = text_of(last)
             if not episode:
                 raise NotFound(f"session {session_id} not found for this key")
-            epoch = await self._redis.hget(self._keys.episode(key.key_id, episode), "epoch")
+            epoch = await self._redis.hget(
+                self._keys.episode(key.key_id, episode), EpisodeFields.EPOCH
+            )
         return replace(
             key, active=active, episode=episode, epoch=int(epoch or 0), session_id=session_id
         )
@@ -255,7 +267,10 @@ class KeyLookup(StorePart):
     async def header_episode(self, key: KeyState, episode: str) -> KeyState | None:
         """A header-mode key's episode as a KeyState (active as its hash says); None: gone."""
         fields: list[Any] = await self._redis.hmget(
-            self._keys.episode(key.key_id, episode), "state", "epoch", "session_id"
+            self._keys.episode(key.key_id, episode),
+            EpisodeFields.STATE,
+            EpisodeFields.EPOCH,
+            EpisodeFields.SESSION_ID,
         )
         state, epoch, session_id = fields
         if state is None:

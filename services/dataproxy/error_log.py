@@ -17,7 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.redis_keys import RedisKeys, StatsFields
 from services.runtime.logs import get_logger
 from services.runtime.secret import mask_addresses, scrub
 from services.runtime.tasks import cancel_and_wait
@@ -88,7 +88,7 @@ class ErrorLog:
                     pipe = self._redis.pipeline(transaction=False)
                     pipe.lpush(self._keys.errors, *batch)
                     pipe.ltrim(self._keys.errors, 0, ERRORS_KEPT - 1)
-                    pipe.hincrby(self._keys.stats, "errors", len(batch))
+                    pipe.hincrby(self._keys.stats, StatsFields.ERRORS, len(batch))
                     await pipe.execute()
             except (RedisError, TimeoutError, OSError) as err:
                 self.dropped += len(batch)

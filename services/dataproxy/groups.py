@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.redis_keys import GroupFields, RedisKeys, TrajectoryGroupFields
 from services.dataproxy.trajectory_stream import StreamEntry
 
 # While members of an incomplete group wait, the group is checked again this often.
@@ -42,7 +42,9 @@ class GroupDirectory:
         """The trajectory's group, or None when it has none."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
             group_id, size = await self._redis.hmget(
-                self._keys.trajectory_group(trajectory_id), "group_id", "group_size"
+                self._keys.trajectory_group(trajectory_id),
+                TrajectoryGroupFields.GROUP_ID,
+                TrajectoryGroupFields.GROUP_SIZE,
             )
         if not group_id:
             return None
@@ -52,7 +54,9 @@ class GroupDirectory:
     async def complete(self, group_id: str) -> bool:
         """True once every member has ended (a group record that expired counts as complete)."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
-            size, done = await self._redis.hmget(self._keys.group(group_id), "size", "done")
+            size, done = await self._redis.hmget(
+                self._keys.group(group_id), GroupFields.SIZE, GroupFields.DONE
+            )
         return size is None or int(done or 0) >= int(size)
 
 

@@ -15,7 +15,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from services.dataproxy.control import UNLIMITED, CapacityPolicy, capacity_left
-from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.redis_keys import (
+    CapacityFields,
+    EpisodeFields,
+    KeyFields,
+    RedisKeys,
+    StatsFields,
+)
 from services.dataproxy.scripts import StreamGroups, StreamGroupsCall
 from services.runtime.redis_scripts import Script, text_of
 
@@ -125,15 +131,15 @@ class Overview:
             pipe = self._redis.pipeline(transaction=False)
             pipe.hgetall(keys.stats)
             pipe.get(keys.weight_version)
-            pipe.hget(keys.capacity, "grants")
+            pipe.hget(keys.capacity, CapacityFields.GRANTS)
             pipe.get(keys.paused)
             pipe.zcount(keys.in_flight, f"({time.time()!r}", "+inf")
             pipe.zcard(keys.awaiting_reward)
             stats, version, grants, paused, running, awaiting = await pipe.execute()
             stream = await self._groups.run(self._redis, StreamGroupsCall(stream=keys.trajectories))
         fields = {text_of(k): _number(v) for k, v in stats.items()}
-        published = int(fields.get("published", 0))
-        open_episodes = int(fields.get("open_episodes", 0))
+        published = int(fields.get(StatsFields.PUBLISHED, 0))
+        open_episodes = int(fields.get(StatsFields.OPEN_EPISODES, 0))
         weight_version = int(_number(version))
         granted = None if grants is None else int(_number(grants))
         bound = None
@@ -146,17 +152,17 @@ class Overview:
             open_episodes=open_episodes,
             awaiting_reward=int(awaiting),
             published=published,
-            consumed=int(fields.get("consumed", 0)),
-            empty_episodes=int(fields.get("empty_episodes", 0)),
-            interactions=int(fields.get("interactions", 0)),
-            joined=int(fields.get("joined", 0)),
-            output_tokens=int(fields.get("output_tokens", 0)),
-            exact_interactions=int(fields.get("exact_interactions", 0)),
-            length_mismatches=int(fields.get("length_mismatches", 0)),
-            reward_sum=fields.get("reward_micros", 0) / 1_000_000,
-            reward_positive=fields.get("reward_positive_micros", 0) / 1_000_000,
-            reward_negative=fields.get("reward_negative_micros", 0) / 1_000_000,
-            errors=int(fields.get("errors", 0)),
+            consumed=int(fields.get(StatsFields.CONSUMED, 0)),
+            empty_episodes=int(fields.get(StatsFields.EMPTY_EPISODES, 0)),
+            interactions=int(fields.get(StatsFields.INTERACTIONS, 0)),
+            joined=int(fields.get(StatsFields.JOINED, 0)),
+            output_tokens=int(fields.get(StatsFields.OUTPUT_TOKENS, 0)),
+            exact_interactions=int(fields.get(StatsFields.EXACT_INTERACTIONS, 0)),
+            length_mismatches=int(fields.get(StatsFields.LENGTH_MISMATCHES, 0)),
+            reward_sum=fields.get(StatsFields.REWARD_MICROS, 0) / 1_000_000,
+            reward_positive=fields.get(StatsFields.REWARD_POSITIVE_MICROS, 0) / 1_000_000,
+            reward_negative=fields.get(StatsFields.REWARD_NEGATIVE_MICROS, 0) / 1_000_000,
+            errors=int(fields.get(StatsFields.ERRORS, 0)),
             weight_version=weight_version,
             in_flight=int(running),
             paused=paused is not None,
@@ -190,15 +196,19 @@ class Overview:
             digests = [m.partition("/")[0] for m, _ in members]
             pipe = self._redis.pipeline(transaction=False)
             for digest in digests:
-                pipe.hget(keys.key(digest), "key_id")
+                pipe.hget(keys.key(digest), KeyFields.KEY_ID)
             key_ids = [text_of(k) for k in await pipe.execute()]
             pipe = self._redis.pipeline(transaction=False)
             for (member, _), key_id in zip(members, key_ids, strict=True):
                 episode = member.partition("/")[2]
                 pipe.hmget(
                     keys.episode(key_id, episode),
-                    "session_id", "task_id", "state", "started_at", "last_active_at",
-                )  # fmt: skip
+                    EpisodeFields.SESSION_ID,
+                    EpisodeFields.TASK_ID,
+                    EpisodeFields.STATE,
+                    EpisodeFields.STARTED_AT,
+                    EpisodeFields.LAST_ACTIVE_AT,
+                )
                 pipe.llen(keys.turns(key_id, episode))
             replies = await pipe.execute()
         sessions = []

@@ -22,7 +22,7 @@ from services.dataproxy.episode_state import (
     StorePart,
     session_name,
 )
-from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S
+from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, EpisodeFields, KeyFields
 from services.dataproxy.scripts import ClaimDueCall, Publish, PublishCall, Published
 from services.dataproxy.summaries import RECENT_KEPT, trajectory_summary
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
@@ -72,12 +72,12 @@ class Publisher(StorePart):
     async def _last_publication(self, digest: str) -> Publication | None:
         fields: list[Any] = await self._redis.hmget(
             self._keys.key(digest),
-            "last_episode",
-            "last_status",
-            "last_trajectory_id",
-            "last_stream_id",
-            "last_turns",
-            "last_ended_at",
+            KeyFields.LAST_EPISODE,
+            KeyFields.LAST_STATUS,
+            KeyFields.LAST_TRAJECTORY_ID,
+            KeyFields.LAST_STREAM_ID,
+            KeyFields.LAST_TURNS,
+            KeyFields.LAST_ENDED_AT,
         )
         episode, status, trajectory_id, stream_id, turns, ended_at = fields
         if not episode or time.time() - float(ended_at or 0) > END_RETRY_WINDOW_S:
@@ -99,11 +99,11 @@ class Publisher(StorePart):
             return await self.publish(target, end_reason="end_session")
         ep: list[Any] = await self._redis.hmget(
             self._keys.episode(key.key_id, target.episode),
-            "state",
-            "trajectory_id",
-            "stream_id",
-            "turns",
-            "ended_at",
+            EpisodeFields.STATE,
+            EpisodeFields.TRAJECTORY_ID,
+            EpisodeFields.STREAM_ID,
+            EpisodeFields.TURNS,
+            EpisodeFields.ENDED_AT,
         )
         state, trajectory_id, stream_id, turns, ended_at = ep
         if state is None or time.time() - float(ended_at or 0) > END_RETRY_WINDOW_S:
@@ -147,10 +147,15 @@ class Publisher(StorePart):
             pipe.hgetall(ep_key)
             pipe.lrange(self._keys.turns(key.key_id, key.episode), 0, -1)
             pipe.hgetall(self._keys.rewards(key.key_id, key.episode))
-            ep, turns, rewards = await pipe.execute()
+            raw_ep, turns, rewards = await pipe.execute()
+            ep = {text_of(name): value for name, value in raw_ep.items()}
             now = time.time()
-            state = text_of(ep.get(b"state"))
-            reason = text_of(ep.get(b"end_reason")) or end_reason if state == HELD else end_reason
+            state = text_of(ep.get(EpisodeFields.STATE))
+            reason = (
+                text_of(ep.get(EpisodeFields.END_REASON)) or end_reason
+                if state == HELD
+                else end_reason
+            )
             hold_until = 0.0
             if self._should_hold(state, ep, turns, rewards):
                 hold_until = now + self._policy.late_reward_timeout_s
@@ -159,8 +164,8 @@ class Publisher(StorePart):
                 data, stats, summary = self._encode(
                     key, ep, turns, rewards, end_reason=reason, now=now
                 )
-            group_id = text_of(ep.get(b"group_id"))
-            trajectory_id = text_of(ep.get(b"trajectory_id"))
+            group_id = text_of(ep.get(EpisodeFields.GROUP_ID))
+            trajectory_id = text_of(ep.get(EpisodeFields.TRAJECTORY_ID))
             result = await self._scripts.publish.run(
                 self._redis,
                 PublishCall(
@@ -194,7 +199,7 @@ class Publisher(StorePart):
                     joined=stats["joined"],
                     hold_until=hold_until,
                     group_id=group_id,
-                    group_size=int(ep.get(b"group_size") or 0),
+                    group_size=int(ep.get(EpisodeFields.GROUP_SIZE) or 0),
                     mode=key.mode,
                     summary=summary,
                     recent_kept=RECENT_KEPT,
@@ -206,7 +211,7 @@ class Publisher(StorePart):
                 status = result.status.value
                 if self.on_ended is not None and state in {"active", HELD}:
                     # Counted once: an episode this call found already ended is a retry.
-                    since = float(ep.get(b"ended_at") or now) if state == HELD else now
+                    since = float(ep.get(EpisodeFields.ENDED_AT) or now) if state == HELD else now
                     self.on_ended(status, reason, max(0.0, time.time() - since))
                 return self._ended(key, result, end_reason=reason)
             if result.status is Publish.MISSING:
@@ -219,11 +224,11 @@ class Publisher(StorePart):
         )
 
     def _should_hold(
-        self, state: str, ep: dict[bytes, bytes], turns: list[bytes], rewards: dict[bytes, bytes]
+        self, state: str, ep: dict[str, bytes], turns: list[bytes], rewards: dict[bytes, bytes]
     ) -> bool:
         if self._policy.late_reward_timeout_s <= 0 or state != "active" or not turns:
             return False
-        return ep.get(b"last_interaction", b"") not in rewards
+        return ep.get(EpisodeFields.LAST_INTERACTION, b"") not in rewards
 
     def _ended(self, key: KeyState, result: Published, *, end_reason: str) -> Publication:
         publication = Publication(
@@ -246,25 +251,25 @@ class Publisher(StorePart):
     def _encode(
         self,
         key: KeyState,
-        ep: dict[bytes, bytes],
+        ep: dict[str, bytes],
         turns: list[bytes],
         rewards: dict[bytes, bytes],
         *,
         end_reason: str,
         now: float,
     ) -> tuple[bytes, dict[str, int], bytes]:
-        ended_at = float(ep[b"ended_at"]) if ep.get(b"ended_at") else now
+        ended_at = float(ep[EpisodeFields.ENDED_AT]) if ep.get(EpisodeFields.ENDED_AT) else now
         info = EpisodeInfo(
-            trajectory_id=text_of(ep.get(b"trajectory_id")),
-            session_id=text_of(ep.get(b"session_id")) or key.episode,
-            task_id=text_of(ep.get(b"task_id")),
+            trajectory_id=text_of(ep.get(EpisodeFields.TRAJECTORY_ID)),
+            session_id=text_of(ep.get(EpisodeFields.SESSION_ID)) or key.episode,
+            task_id=text_of(ep.get(EpisodeFields.TASK_ID)),
             key_id=key.key_id,
             episode=key.episode,
-            started_at=float(ep.get(b"started_at") or now),
+            started_at=float(ep.get(EpisodeFields.STARTED_AT) or now),
             ended_at=ended_at,
             end_reason=end_reason,
-            group_id=text_of(ep.get(b"group_id")) or None,
-            group_size=int(ep.get(b"group_size") or 0) or None,
+            group_id=text_of(ep.get(EpisodeFields.GROUP_ID)) or None,
+            group_size=int(ep.get(EpisodeFields.GROUP_SIZE) or 0) or None,
         )
         parsed = {k.decode(): float(v) for k, v in rewards.items()}
         trajectory = build_trajectory(info, turns, parsed)
@@ -291,7 +296,9 @@ class Publisher(StorePart):
         if key is None or not key.active or key.episode != episode:
             await self._redis.zrem(self._keys.idle, member)
             return None
-        last = await self._redis.hget(self._keys.episode(key.key_id, episode), "last_active_at")
+        last = await self._redis.hget(
+            self._keys.episode(key.key_id, episode), EpisodeFields.LAST_ACTIVE_AT
+        )
         due = float(last or 0) + self._policy.session_idle_timeout_s
         if due > time.time():
             # GT: a turn that started since the claim raised the deadline to its lease's,
@@ -305,7 +312,7 @@ class Publisher(StorePart):
         digest, _, episode = member.partition("/")
         key_id = key_id_of(digest)
         state, epoch = await self._redis.hmget(
-            self._keys.episode(key_id, episode), "state", "epoch"
+            self._keys.episode(key_id, episode), EpisodeFields.STATE, EpisodeFields.EPOCH
         )
         if state != HELD.encode():
             await self._redis.zrem(self._keys.awaiting_reward, member)

@@ -1,8 +1,10 @@
-"""Every Redis key name the dataproxy uses, in one place (see docs/internals.md)."""
+"""Every Redis key name the dataproxy uses, and the field names of its hashes, in one place
+(see docs/internals.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 # Ended episodes keep their hash this long: the record that makes publication idempotent.
 ENDED_EPISODE_TTL_S = 7 * 24 * 3600
@@ -15,11 +17,11 @@ class RedisKeys:
     prefix: str = "rg:"
 
     def key(self, digest: str) -> str:
-        """Hash describing one session key (found by its SHA-256 digest)."""
+        """Hash describing one session key (found by its SHA-256 digest): KeyFields."""
         return f"{self.prefix}key:{digest}"
 
     def episode(self, key_id: str, episode: str) -> str:
-        """Hash describing one episode of a key."""
+        """Hash describing one episode of a key: EpisodeFields."""
         return f"{self.prefix}ep:{key_id}:{episode}"
 
     def turns(self, key_id: str, episode: str) -> str:
@@ -35,7 +37,7 @@ class RedisKeys:
         return f"{self.prefix}ix:{key_id}:{episode}"
 
     def session(self, key_id: str, session_id: str) -> str:
-        """Hash of one header-mode session: `episode` (active, or ""), `epoch`, `count`, `last`."""
+        """Hash of one header-mode session: SessionFields."""
         return f"{self.prefix}hsess:{key_id}:{session_id}"
 
     def refreshing(self, digest: str) -> str:
@@ -43,11 +45,11 @@ class RedisKeys:
         return f"{self.prefix}refreshing:{digest}"
 
     def group(self, group_id: str) -> str:
-        """Hash of one episode group: `size`, `done` (members published or empty)."""
+        """Hash of one episode group: GroupFields."""
         return f"{self.prefix}group:{group_id}"
 
     def trajectory_group(self, trajectory_id: str) -> str:
-        """Hash `group_id`, `group_size` of a published trajectory that belongs to a group."""
+        """Hash of a published trajectory that belongs to a group: TrajectoryGroupFields."""
         return f"{self.prefix}trajgroup:{trajectory_id}"
 
     @property
@@ -67,7 +69,7 @@ class RedisKeys:
 
     @property
     def capacity(self) -> str:
-        """Hash `grants`: episodes granted and not yet taken (absent: no grant ever made)."""
+        """Hash: CapacityFields (absent: no grant ever made)."""
         return f"{self.prefix}capacity"
 
     @property
@@ -87,10 +89,7 @@ class RedisKeys:
 
     @property
     def stats(self) -> str:
-        """Counters: open_episodes, published, empty_episodes, consumed, interactions, joined,
-        output_tokens, exact_interactions, length_mismatches, reward_micros (final rewards
-        summed, in millionths), errors; and
-        stream_ms (the ms part of the last numbered stream id)."""
+        """Hash of counters: StatsFields."""
         return f"{self.prefix}stats"
 
     @property
@@ -147,7 +146,7 @@ class RedisKeys:
         return f"{self.prefix}convrun:{key_id}:{name}:{idempotency_key}"
 
     def response(self, key_id: str, response_id: str) -> str:
-        """Hash of one stored Responses response: response, parent, chain, chain_len."""
+        """Hash of one stored Responses response: ResponseFields."""
         return f"{self.prefix}resp:{key_id}:{response_id}"
 
     def response_chain(self, key_id: str, chain_id: str) -> str:
@@ -155,7 +154,7 @@ class RedisKeys:
         return f"{self.prefix}rchain:{key_id}:{chain_id}"
 
     def revoked(self, digest: str) -> str:
-        """Hash `key_id`, `kind`, `revoked_at` of a revoked key (any kind); kept for good."""
+        """Hash of a revoked key (any kind), kept for good: TombstoneFields."""
         return f"{self.prefix}revoked:{digest}"
 
     @property
@@ -170,3 +169,113 @@ class RedisKeys:
     def revoked_pattern(self, key_id: str) -> str:
         """SCAN pattern of the tombstones whose digest starts with `key_id` (hex)."""
         return f"{self.prefix}revoked:{key_id}*"
+
+
+# Hash field names, one class per kind of hash: what Python reads and writes by these names,
+# the .lua scripts spell the same (tests/dataproxy/test_redis_fields.py holds them to it).
+
+
+class KeyFields:
+    """Fields of a session key's hash (`RedisKeys.key`)."""
+
+    KEY_ID: Final = "key_id"
+    TASK_ID: Final = "task_id"
+    MODE: Final = "mode"  # "header" for a header-mode key; absent: per-episode
+    STATE: Final = "state"  # "active" | "idle"
+    EPISODE: Final = "episode"  # the active episode ("" between episodes)
+    EPOCH: Final = "epoch"  # episodes bound so far
+    HELD: Final = "held"  # the ended episode held for a late reward
+    CREATED_AT: Final = "created_at"
+    # The last publication, so a retried end_session finds it.
+    LAST_EPISODE: Final = "last_episode"
+    LAST_STATUS: Final = "last_status"
+    LAST_TRAJECTORY_ID: Final = "last_trajectory_id"
+    LAST_STREAM_ID: Final = "last_stream_id"
+    LAST_TURNS: Final = "last_turns"
+    LAST_ENDED_AT: Final = "last_ended_at"
+
+
+class EpisodeFields:
+    """Fields of an episode's hash (`RedisKeys.episode`)."""
+
+    SESSION_ID: Final = "session_id"
+    TASK_ID: Final = "task_id"
+    EPOCH: Final = "epoch"
+    STATE: Final = "state"  # active | ended_awaiting_reward | published | empty | revoked
+    TRAJECTORY_ID: Final = "trajectory_id"
+    STARTED_AT: Final = "started_at"
+    LAST_ACTIVE_AT: Final = "last_active_at"
+    TURNS: Final = "turns"
+    LAST_INTERACTION: Final = "last_interaction"
+    GROUP_ID: Final = "group_id"
+    GROUP_SIZE: Final = "group_size"
+    ENDED_AT: Final = "ended_at"
+    END_REASON: Final = "end_reason"
+    STREAM_ID: Final = "stream_id"
+
+
+class SessionFields:
+    """Fields of a header-mode session's pointer hash (`RedisKeys.session`)."""
+
+    EPISODE: Final = "episode"  # the active episode, "" when none
+    EPOCH: Final = "epoch"
+    COUNT: Final = "count"  # episodes the session has had
+    LAST: Final = "last"  # the episode that ended last
+
+
+class GroupFields:
+    """Fields of an episode group's hash (`RedisKeys.group`)."""
+
+    SIZE: Final = "size"
+    DONE: Final = "done"  # members published or empty
+    CREATED_AT: Final = "created_at"
+
+
+class TrajectoryGroupFields:
+    """Fields of a published trajectory's group record (`RedisKeys.trajectory_group`)."""
+
+    GROUP_ID: Final = "group_id"
+    GROUP_SIZE: Final = "group_size"
+
+
+class CapacityFields:
+    """Fields of the capacity hash (`RedisKeys.capacity`)."""
+
+    GRANTS: Final = "grants"  # episodes granted and not yet taken
+
+
+class TombstoneFields:
+    """Fields of a revoked key's tombstone (`RedisKeys.revoked`)."""
+
+    KEY_ID: Final = "key_id"
+    KIND: Final = "kind"
+    REVOKED_AT: Final = "revoked_at"
+
+
+class ResponseFields:
+    """Fields of a stored Responses response (`RedisKeys.response`)."""
+
+    RESPONSE: Final = "response"
+    PARENT: Final = "parent"
+    CHAIN: Final = "chain"
+    CHAIN_LEN: Final = "chain_len"
+
+
+class StatsFields:
+    """The counters of the stats hash (`RedisKeys.stats`)."""
+
+    OPEN_EPISODES: Final = "open_episodes"
+    PUBLISHED: Final = "published"
+    EMPTY_EPISODES: Final = "empty_episodes"
+    REVOKED_EPISODES: Final = "revoked_episodes"
+    CONSUMED: Final = "consumed"
+    INTERACTIONS: Final = "interactions"
+    JOINED: Final = "joined"
+    OUTPUT_TOKENS: Final = "output_tokens"
+    EXACT_INTERACTIONS: Final = "exact_interactions"
+    LENGTH_MISMATCHES: Final = "length_mismatches"
+    REWARD_MICROS: Final = "reward_micros"  # final rewards summed, in millionths
+    REWARD_POSITIVE_MICROS: Final = "reward_positive_micros"
+    REWARD_NEGATIVE_MICROS: Final = "reward_negative_micros"
+    ERRORS: Final = "errors"
+    STREAM_MS: Final = "stream_ms"  # the ms part of the last numbered stream id

@@ -14,7 +14,7 @@ import time
 import redis.asyncio as aioredis
 
 from services.dataproxy.access_keys import AccessKeyStore, RevokedKey
-from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, RedisKeys
+from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, EpisodeFields, RedisKeys
 from services.dataproxy.scripts import (
     KeyRevoked,
     RevokeCandidate,
@@ -116,7 +116,9 @@ class SessionKeyRevoker:
     async def _call(self, digest: str, key_id: str, names: list[str]) -> RevokeKeyCall:
         pipe = self._redis.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(self._keys.episode(key_id, name), "session_id", "group_id")
+            pipe.hmget(
+                self._keys.episode(key_id, name), EpisodeFields.SESSION_ID, EpisodeFields.GROUP_ID
+            )
         found = await pipe.execute() if names else []
         candidates = []
         for name, (session_id, group_id) in zip(names, found, strict=True):

@@ -17,6 +17,7 @@ from services.dataproxy.episode_state import (
     session_name,
 )
 from services.dataproxy.publication import Publisher
+from services.dataproxy.redis_keys import EpisodeFields
 from services.dataproxy.scripts import SetReward, SetRewardCall
 from services.runtime.errors import (
     Conflict,
@@ -81,7 +82,7 @@ class Rewards(StorePart):
             return await self._header_reward_target(key, session_name(session_id))
         if session_id and not (key.active and key.episode == session_id):
             state, epoch = await self._redis.hmget(
-                self._keys.episode(key.key_id, session_id), "state", "epoch"
+                self._keys.episode(key.key_id, session_id), EpisodeFields.STATE, EpisodeFields.EPOCH
             )
             if state is None:
                 raise NotFound(f"episode {session_id} not found for this key")
@@ -89,7 +90,9 @@ class Rewards(StorePart):
                 raise Conflict(f"episode {session_id} has ended and was published already")
             return held_state(key, session_id, int(epoch or 0)), "held"
         if not session_id and not key.active and key.held:
-            epoch = await self._redis.hget(self._keys.episode(key.key_id, key.held), "epoch")
+            epoch = await self._redis.hget(
+                self._keys.episode(key.key_id, key.held), EpisodeFields.EPOCH
+            )
             return held_state(key, key.held, int(epoch or 0)), "held"
         if not key.active:
             raise Conflict(NO_ACTIVE_EPISODE)
@@ -99,7 +102,9 @@ class Rewards(StorePart):
         target = await self._lookup.session_episode(key, session_id)
         if target.active:
             return target, "episode"
-        state = await self._redis.hget(self._keys.episode(key.key_id, target.episode), "state")
+        state = await self._redis.hget(
+            self._keys.episode(key.key_id, target.episode), EpisodeFields.STATE
+        )
         if state != HELD.encode():
             raise Conflict(f"session {session_id} has no active episode (its last one ended)")
         return target, "held"

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from schema.trajectory import CODEC
-from services.dataproxy.redis_keys import RedisKeys
+from services.dataproxy.redis_keys import RedisKeys, StatsFields
 from services.dataproxy.scripts import AckCall, SetVersionCall, VersionSet
 from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
@@ -181,14 +181,14 @@ class TrajectoryStream:
         fields = {text_of(k): _int(v) for k, v in counters.items()}
         return TrainerStats(
             # Maintained by the session code only if it can do so cheaply; else 0.
-            open_episodes=fields.get("open_episodes", 0),
-            published=fields.get("published", 0),
-            consumed=fields.get("consumed", 0),
+            open_episodes=fields.get(StatsFields.OPEN_EPISODES, 0),
+            published=fields.get(StatsFields.PUBLISHED, 0),
+            consumed=fields.get(StatsFields.CONSUMED, 0),
             pending=sum(_int(g.get("pending", 0)) for g in groups),
             weight_version=_int(version),
-            empty_episodes=fields.get("empty_episodes", 0),
-            interactions=fields.get("interactions", 0),
-            joined=fields.get("joined", 0),
+            empty_episodes=fields.get(StatsFields.EMPTY_EPISODES, 0),
+            interactions=fields.get(StatsFields.INTERACTIONS, 0),
+            joined=fields.get(StatsFields.JOINED, 0),
         )
 
     async def _groups(self) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from services.dataproxy.episode_state import (
     StorePart,
     session_name,
 )
+from services.dataproxy.redis_keys import KeyFields
 from services.dataproxy.scripts import (
     AppendedTurn,
     AppendTurn,
@@ -127,7 +128,13 @@ class TurnStore(StorePart):
     async def active_episode(self, digest: str) -> ActiveEpisode:
         """The key's active episode and the weight version, in one round trip."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hmget(self._keys.key(digest), "key_id", "state", "episode", "epoch")
+        pipe.hmget(
+            self._keys.key(digest),
+            KeyFields.KEY_ID,
+            KeyFields.STATE,
+            KeyFields.EPISODE,
+            KeyFields.EPOCH,
+        )
         pipe.get(self._keys.weight_version)
         (key_id, state, episode, epoch), weight_version = await pipe.execute()
         if key_id is None:
