@@ -278,7 +278,7 @@ class Attempts:
     async def failed(self, attempt: int, failed: Failed) -> None:
         """Remembers the failure and pauses before the next attempt (client backoff)."""
         self.failures.append((time.monotonic() - self.began, failed.kind))
-        await asyncio.sleep(min(2.0, 0.1 * (attempt + 1)))
+        await asyncio.sleep(min(2.0, 0.1 * (attempt + 1)))  # an interval: the client's backoff
 
     def blocked_s(self, kind: str) -> float:
         """How long attempts kept failing with `kind` (0 when none did)."""
@@ -511,7 +511,7 @@ class Run:
         prefix = self.stack.config.redis_prefix
         while True:
             await self.read_affinity(redis, prefix)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # an interval: the watcher's sampling period
 
     async def read_affinity(self, redis: aioredis.Redis, prefix: str) -> None:
         """One read of every key's `aff:{digest}:{model}` record."""

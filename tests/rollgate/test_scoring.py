@@ -26,7 +26,7 @@ def table_score(request: ScoreRequest) -> float | None:
 
 
 async def async_table_score(request: ScoreRequest) -> float | None:
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # no wait: a real await, so the scorer is truly asynchronous
     return table_score(request)
 
 

@@ -14,7 +14,7 @@ from rollgate.supervisor import GaveUp, RestartPolicy, Supervisor
 from tests.harness.poll import eventually_sync
 
 CRASHES = "import sys; print('boom: ROLLGATE_SOMETHING is not set', flush=True); sys.exit(3)"
-SLEEPS = "import time; time.sleep(120)"
+SLEEPS = "import time; time.sleep(120)"  # a child that keeps running until it is stopped
 
 
 def _process(tmp_path: Path, name: str, code: str) -> ServiceProcess:
