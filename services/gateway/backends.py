@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 
 from protos import console_pb2_grpc, dataproxy_pb2_grpc, router_pb2_grpc
-from services.gateway.ledger import LedgerClient
+from services.gateway.ledger import LedgerClient, Replica
 from services.gateway.relay import RouterRoutes, TurnRelay
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
@@ -49,9 +50,13 @@ ROUTE_CACHE = web.AppKey("route_cache", RouteCache)
 RELAY = web.AppKey("relay", TurnRelay)
 
 
-def target_size(target: str) -> int:
-    """How many addresses a gRPC target lists (`ipv4:a:1,b:2` → 2)."""
-    return target.count(",") + 1
+def target_addresses(target: str) -> list[str]:
+    """Each address a gRPC target lists, as a target of its own (`ipv4:a:1,b:2` →
+    `ipv4:a:1`, `ipv4:b:2`); a target of one address (or a name to resolve) is itself."""
+    if "," not in target:
+        return [target]
+    scheme, _, addresses = target.partition(":")
+    return [f"{scheme}:{address}" for address in addresses.split(",")]
 
 
 async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -61,10 +66,15 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
     router_channel = open_channel(settings.router_addr)
     dataproxy_channel = open_channel(settings.dataproxy_addr)
     async with ChannelPool() as workers:
-        dataproxy = cast("DataProxyAsyncStub", dataproxy_pb2_grpc.DataProxyStub(dataproxy_channel))
+        dataproxy = _dataproxy_stub(dataproxy_channel)
         router = cast("RouterAsyncStub", router_pb2_grpc.RouterStub(router_channel))
-        # One ledger stream per dataproxy replica the target lists (round-robin spreads them).
-        ledger = LedgerClient(dataproxy, streams=target_size(settings.dataproxy_addr))
+        # One ledger stream per dataproxy replica the target lists, each on its own channel:
+        # a begin a stopping replica refused is retried on another one (services/gateway/
+        # ledger.py), which one shared round-robin channel could not promise.
+        addresses = target_addresses(settings.dataproxy_addr)
+        ledger_channels = [open_channel(a) for a in addresses] if len(addresses) > 1 else []
+        replicas = [Replica(_dataproxy_stub(c), channel=c) for c in ledger_channels]
+        ledger = LedgerClient(*replicas) if replicas else LedgerClient(dataproxy)
         try:
             app[BACKENDS] = Backends(
                 router=router,
@@ -89,5 +99,11 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
             await relay.close()
         finally:
             await ledger.close()
+            for channel in ledger_channels:
+                await channel.close()
             await router_channel.close()
             await dataproxy_channel.close()
+
+
+def _dataproxy_stub(channel: grpc.aio.Channel) -> DataProxyAsyncStub:
+    return cast("DataProxyAsyncStub", dataproxy_pb2_grpc.DataProxyStub(channel))

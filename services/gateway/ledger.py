@@ -3,11 +3,15 @@
 Every relayed turn sends a `BeginTurn` before it calls the worker and a `RecordTurn` (or a
 `ReleaseTurn`) when the worker is done, as messages on a `DataProxy.Ledger` stream that many
 turns share; each op waits for its answer (matched by id) with its own deadline. One stream
-per dataproxy address in the target; a session's ops go to the same stream, so the replica
-that recorded its previous turn usually records the next (it stores only what the turn adds).
+per dataproxy replica (`Replica`: an address of the target, on its own channel); a session's
+ops go to the same replica, so the one that recorded its previous turn usually records the
+next (it stores only what the turn adds), and a turn's record goes where its begin was admitted.
 A stream that breaks fails the ops waiting on it and is reopened by the next op; an op whose
-stream broke is retried once on a fresh one (records several times: appending is idempotent
-by interaction id).
+stream broke is retried on another replica's stream (a fresh one with a single replica): a begin
+once, a record twice (appending is idempotent by interaction id). A begin that a stopping
+dataproxy refused (`dataproxy_stopping`: not started) is retried once on another replica, and
+that replica's stream takes no begins until it ends, so a rolling restart of dataproxies
+is invisible to clients when the target lists more than one.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import contextlib
 import itertools
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -43,6 +47,39 @@ log = get_logger(__name__)
 BEGIN_ATTEMPTS = 2
 RECORD_ATTEMPTS = 3
 RELEASE_ATTEMPTS = 2
+# How long an op waits for a replica's channel to connect before its call is tried anyway: a
+# restarted replica is reconnected within the channel's reconnect backoff (≤ 2 s).
+CONNECT_WAIT_S = 5.0
+READY = grpc.ChannelConnectivity.READY
+# The dataproxy's answer to a begin while it shuts down (services/dataproxy/ledger_streams.py):
+# the turn was not started, so another replica may take it.
+STOPPING_CODE = "dataproxy_stopping"
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One dataproxy replica: the stub its ledger streams open on, and its channel (None: a
+    test's stub, always taken as reachable)."""
+
+    stub: DataProxyAsyncStub
+    channel: grpc.aio.Channel | None = field(default=None, kw_only=True)
+
+    def connected(self) -> bool:
+        """Whether its channel is connected now (a connection is started when it is not)."""
+        if self.channel is None:
+            return True
+        state = self.channel.get_state(try_to_connect=True)
+        return state is READY
+
+    async def wait_connected(self, timeout_s: float) -> None:
+        """Returns when its channel is connected, or after `timeout_s` (then a call fails
+        fast if it is still down)."""
+        if self.channel is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while (state := self.channel.get_state(try_to_connect=True)) is not READY:
+                    await self.channel.wait_for_state_change(state)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +123,9 @@ class _Stream:
         self._queued = asyncio.Event()
         self._closing = False
         self.alive = True
+        # Its dataproxy refused a begin as it shuts down: no more begins here (records and
+        # releases of the turns it admitted still come here, its drain waits for them).
+        self.stopping = False
         self._reader = asyncio.create_task(self._read(), name="ledger-reader")
         self._writer = asyncio.create_task(self._write(), name="ledger-writer")
 
@@ -185,11 +225,15 @@ def _error_of(err: Exception) -> RollgateError:
 
 
 class LedgerClient:
-    """Begin, record and release over `streams` ledger streams on one dataproxy channel."""
+    """Begin, record and release over one ledger stream per dataproxy replica."""
 
-    def __init__(self, stub: DataProxyAsyncStub, *, streams: int = 1) -> None:
-        self._stub = stub
-        self._streams: list[_Stream | None] = [None] * max(1, streams)
+    def __init__(self, *replicas: DataProxyAsyncStub | Replica) -> None:
+        if not replicas:
+            raise ValueError("a ledger needs at least one dataproxy")
+        self._replicas = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
+        self._streams: list[_Stream | None] = [None] * len(self._replicas)
+        # ticket → the replica that admitted it (its record and release go there first).
+        self._admitted_by: dict[bytes, int] = {}
         self._ids = itertools.count(1)
         self._weight_version = 0
 
@@ -206,7 +250,7 @@ class LedgerClient:
         self, *, route_key: str, digest: str, session_id: str, request_id: str, timeout_s: float
     ) -> Admitted:
         """Admission of a turn (waits while submission is paused, up to the dataproxy's wait)."""
-        answer = await self._ask(
+        answer, replica = await self._ask(
             route_key,
             dataproxy_pb2.LedgerRequest(
                 begin=dataproxy_pb2.BeginTurn(
@@ -218,6 +262,8 @@ class LedgerClient:
         )
         admitted = _result(answer, "admitted").admitted
         self.saw_version(admitted.weight_version)
+        if len(self._replicas) > 1:
+            self._admitted_by[admitted.ticket] = replica
         return Admitted(
             ticket=admitted.ticket,
             weight_version=admitted.weight_version,
@@ -239,7 +285,7 @@ class LedgerClient:
         timeout_s: float,
     ) -> Recorded:
         """Appends the turn to its episode; `spans` are a streamed turn's (tokens, version)."""
-        answer = await self._ask(
+        answer, _ = await self._ask(
             route_key,
             dataproxy_pb2.LedgerRequest(
                 record=dataproxy_pb2.RecordTurn(
@@ -259,6 +305,7 @@ class LedgerClient:
             ),
             timeout_s=timeout_s,
             attempts=RECORD_ATTEMPTS,
+            replica=self._admitted_by.pop(ticket, None),
         )
         recorded = _result(answer, "recorded").recorded
         return Recorded(interaction_id=recorded.interaction_id, session_id=recorded.session_id)
@@ -280,11 +327,12 @@ class LedgerClient:
             release.failure.status = failure.grpc_status.name
             release.failure.code = failure.code
             release.failure.message = failure.message
-        answer = await self._ask(
+        answer, _ = await self._ask(
             route_key,
             dataproxy_pb2.LedgerRequest(release=release),
             timeout_s=timeout_s,
             attempts=RELEASE_ATTEMPTS,
+            replica=self._admitted_by.pop(ticket, None),
         )
         _result(answer, "released")
 
@@ -295,12 +343,38 @@ class LedgerClient:
         for stream in streams:
             await stream.close()
 
-    def _stream(self, route_key: str) -> _Stream:
-        index = zlib.crc32(route_key.encode()) % len(self._streams)
-        stream = self._streams[index]
+    def _stream(self, replica: int) -> _Stream:
+        stream = self._streams[replica]
         if stream is None or not stream.alive:
-            stream = self._streams[index] = _Stream(self._stub, self)
+            stream = self._streams[replica] = _Stream(self._replicas[replica].stub, self)
         return stream
+
+    def _choose(self, route_key: str, *, begin: bool, tried: set[int]) -> int | None:
+        """The replica for an op: the route key's own, else the next one that can take it (an
+        open stream, not stopping for a begin; or a connected channel), else the first not
+        ruled out; None when all are (`tried`, or stopping for a begin)."""
+        home = self._home(route_key)
+        order = [(home + step) % len(self._replicas) for step in range(len(self._replicas))]
+        candidates = [
+            index
+            for index in order
+            if index not in tried and not (begin and self._is_stopping(index))
+        ]
+        for index in candidates:
+            if self._is_open(index) or self._replicas[index].connected():
+                return index
+        return candidates[0] if candidates else None
+
+    def _home(self, route_key: str) -> int:
+        return zlib.crc32(route_key.encode()) % len(self._replicas)
+
+    def _is_open(self, replica: int) -> bool:
+        stream = self._streams[replica]
+        return stream is not None and stream.alive
+
+    def _is_stopping(self, replica: int) -> bool:
+        stream = self._streams[replica]
+        return stream is not None and stream.alive and stream.stopping
 
     async def _ask(
         self,
@@ -309,20 +383,54 @@ class LedgerClient:
         *,
         timeout_s: float,
         attempts: int,
-    ) -> dataproxy_pb2.LedgerResponse:
+        replica: int | None = None,
+    ) -> tuple[dataproxy_pb2.LedgerResponse, int]:
+        """The answer to `request` and the replica that gave it; `replica` is tried first."""
         request.timeout_s = timeout_s
         trace = tracing.current()
         if trace is not None:
             request.traceparent = trace.header()
+        begin = request.WhichOneof("op") == "begin"
+        tried: set[int] = set()
+        index = self._choose(route_key, begin=begin, tried=tried) if replica is None else replica
         for attempt in range(attempts):
+            last = attempt + 1 == attempts
+            if index is None:  # a single replica, or every one stopping: a fresh stream
+                index = self._home(route_key)
             request.id = next(self._ids)
+            if not self._is_open(index):
+                # No replica that can take it is connected: a restarted one may be in its
+                # channel's reconnect backoff (a gateway just started: not connected yet).
+                await self._replicas[index].wait_connected(min(CONNECT_WAIT_S, timeout_s))
+            stream = self._stream(index)
             try:
-                return await self._stream(route_key).ask(request, timeout_s)
+                answer = await stream.ask(request, timeout_s)
             except _StreamLost as lost:
-                if attempt + 1 == attempts:
+                if last:
                     raise lost.error from None
                 log.warning("ledger_stream_lost_retrying", op=request.WhichOneof("op"))
+            else:
+                if not (begin and _refused_as_stopping(answer)):
+                    return answer, index
+                stream.stopping = True
+                tried.add(index)
+                elsewhere = self._choose(route_key, begin=True, tried=tried)
+                if last or elsewhere is None:
+                    return answer, index
+                # Not started (nothing reached a worker): another replica takes it.
+                log.warning("ledger_begin_refused_retrying_elsewhere", replica=index)
+                index = elsewhere
+                continue
+            tried.add(index)
+            index = self._choose(route_key, begin=begin, tried=tried)
         raise AssertionError("unreachable")
+
+
+def _refused_as_stopping(answer: dataproxy_pb2.LedgerResponse) -> bool:
+    if answer.WhichOneof("result") != "error_json":
+        return False
+    error = from_payload(answer.error_json)
+    return error is not None and error.code == STOPPING_CODE
 
 
 def _result(answer: dataproxy_pb2.LedgerResponse, expected: str) -> dataproxy_pb2.LedgerResponse:

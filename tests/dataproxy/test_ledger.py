@@ -10,10 +10,11 @@ from typing import Any
 import orjson
 import pytest
 
-from protos import dataproxy_pb2
-from services.gateway.ledger import Admitted, LedgerClient
+from protos import dataproxy_pb2, dataproxy_pb2_grpc
+from services.gateway.ledger import Admitted, LedgerClient, Replica
 from services.gateway.relay import Chunks, Done
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
+from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest
 from tests.dataproxy.turn_records import turn_record
 from tests.harness.inprocess import (
@@ -212,3 +213,76 @@ async def test_each_op_of_a_message_gets_its_own_answer(chain: Chain) -> None:
     assert b"unknown session key" in answers[8].error_json
     assert b"ticket" in answers[9].error_json
     await eventually(chain.in_flight, want=0, what="the lease of the cancelled stream released")
+
+
+@pytest.fixture
+async def two_replicas(redis_url: str, key_prefix: str) -> AsyncIterator[Chain]:
+    async with running_dataproxy_chain(
+        redis_url, key_prefix, chain_type=Chain, replicas=2, grace_s=20.0
+    ) as running:
+        yield running
+
+
+def ops_of(stub: CountingStub) -> list[str]:
+    return [op.WhichOneof("op") or "" for message in stub.written for op in message.ops]
+
+
+async def test_a_begin_a_stopping_replica_refused_is_admitted_by_the_other(
+    two_replicas: Chain,
+) -> None:
+    chain = two_replicas
+    channels = [open_channel(f"127.0.0.1:{s.port}") for s in chain.dataproxy_servers]
+    stubs = [CountingStub(dataproxy_pb2_grpc.DataProxyStub(c)) for c in channels]
+    gateway = LedgerClient(*(Replica(stub) for stub in stubs))  # type: ignore[arg-type]
+    try:
+        digest = await chain.start()
+        # A turn admitted and not recorded holds its replica's drain open.
+        held = await chain.begin(gateway, digest)
+        [home] = [i for i, stub in enumerate(stubs) if ops_of(stub) == ["begin"]]
+        other = 1 - home
+        stopping = asyncio.create_task(chain.dataproxy_servers[home].stop())
+        await eventually(lambda: chain.dataproxy_servers[home].draining)
+
+        moved = await chain.begin(gateway, digest)
+        assert ops_of(stubs[home]) == ["begin", "begin"]  # refused there ...
+        assert ops_of(stubs[other]) == ["begin"]  # ... and admitted here
+        # The refused replica takes no more begins while it drains.
+        another = await chain.begin(gateway, digest)
+        assert ops_of(stubs[home]) == ["begin", "begin"]
+        assert ops_of(stubs[other]) == ["begin", "begin"]
+
+        # Each turn is recorded where it was admitted: the draining replica's drain ends as
+        # its turn is recorded, long before its 20 s grace.
+        assert await chain.record(gateway, digest, held.ticket) == "chatcmpl-ledger"
+        assert ops_of(stubs[home]) == ["begin", "begin", "record"]
+        async with asyncio.timeout(10):
+            await stopping
+        for admitted in (moved, another):
+            await chain.record(gateway, digest, admitted.ticket)
+        assert ops_of(stubs[other]) == ["begin", "begin", "record", "record"]
+        assert await chain.in_flight() == 0
+        assert len(await chain.turns(digest)) == 1  # the same interaction id, appended once
+    finally:
+        await gateway.close()
+        for channel in channels:
+            await channel.close()
+
+
+async def test_with_one_replica_a_stopping_dataproxy_answers_503_with_retry_after(
+    chain: Chain,
+) -> None:
+    digest = await chain.start()
+    gateway = fresh_ledger(chain)
+    held = await chain.begin(gateway, digest)
+    stopping = asyncio.create_task(chain.dataproxy_server.stop())
+    try:
+        await eventually(lambda: chain.dataproxy_server.draining)
+        with pytest.raises(Unavailable) as refused:
+            await chain.begin(gateway, digest)
+        assert refused.value.code == "dataproxy_stopping"
+        assert refused.value.http_status == 503
+        assert refused.value.retry_after_s == 1.0
+        await chain.record(gateway, digest, held.ticket)
+    finally:
+        await stopping
+        await gateway.close()
