@@ -42,6 +42,7 @@ from services.runtime.metrics import (
     ServiceMetrics,
 )
 from services.runtime.redis_conn import open_redis
+from services.runtime.redis_pipeline import PipelinedScripts
 from services.runtime.service_main import StartupError, service_main
 from services.runtime.tasks import cancel_and_wait
 from services.runtime.tracing import Tracer, tracer_for
@@ -57,10 +58,16 @@ REDIS_PING_TIMEOUT_S = 5.0
 REAPER_STOP_S = 5.0
 
 
-def build_store(*, redis: aioredis.Redis, settings: DataProxySettings) -> SessionStore:
-    """The session store with the settings' lifecycle policy."""
+def build_store(
+    *,
+    redis: aioredis.Redis,
+    settings: DataProxySettings,
+    pipelined: PipelinedScripts | None = None,
+) -> SessionStore:
+    """The session store with the settings' lifecycle policy (turn scripts on `pipelined`)."""
     return SessionStore(
         redis=redis,
+        pipelined=pipelined,
         keys=RedisKeys(settings.redis_prefix),
         scripts=Scripts.load(),
         admin_key=settings.admin_key,
@@ -124,6 +131,9 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
     async with contextlib.AsyncExitStack() as stack:
         redis = open_redis(settings.redis_url)
         stack.push_async_callback(redis.aclose)
+        # The turn ledger's scripts: one pipelined connection (closed after the server stops).
+        pipelined = PipelinedScripts(redis)
+        stack.push_async_callback(pipelined.aclose)
         try:
             async with asyncio.timeout(REDIS_PING_TIMEOUT_S):
                 await redis.ping()
@@ -140,8 +150,10 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         await stack.enter_async_context(StreamTrimmer(redis=redis, keys=keys))
         metrics = ServiceMetrics("dataproxy")
         counted = DataProxyMetrics(metrics.registry)
-        control = build_control(redis=redis, keys=keys, settings=settings, metrics=counted)
-        store = build_store(redis=redis, settings=settings)
+        control = build_control(
+            redis=redis, keys=keys, settings=settings, metrics=counted, pipelined=pipelined
+        )
+        store = build_store(redis=redis, settings=settings, pipelined=pipelined)
         store.on_ended = counted.ended
         trainer = TrainerServicer(redis=redis, keys=keys, settings=settings, control=control)
         overview = Overview(

@@ -17,6 +17,7 @@ from services.dataproxy.redis_keys import CapacityFields, RedisKeys, StatsFields
 from services.dataproxy.scripts import ReleaseTurnCall, Scripts
 from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
+from services.runtime.redis_pipeline import PipelinedScripts
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -137,9 +138,12 @@ class Control:
         pause_wait_s: float = 30.0,
         pause_drain_timeout_s: float = 60.0,
         metrics: PauseMetrics | None = None,
+        pipelined: PipelinedScripts | None = None,
     ) -> None:
         self._metrics = metrics
         self._redis = redis
+        # A turn's release runs on the ledger's pipelined connection when there is one.
+        self._turn_scripts = pipelined or redis
         self._keys = keys
         self._scripts = scripts
         self._policy = policy
@@ -182,7 +186,7 @@ class Control:
         episode's running turns (once: a lease its append already released is not counted)."""
         async with asyncio.timeout(COMMAND_TIMEOUT_S):
             await self._scripts.release_turn.run(
-                self._redis,
+                self._turn_scripts,
                 ReleaseTurnCall(
                     in_flight=self._keys.in_flight,
                     episode_turns=self._keys.episode_turns,

@@ -34,6 +34,7 @@ from services.dataproxy.revocation import SessionKeyRevoker
 from services.dataproxy.rewards import Rewards
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.turn_store import TurnStore
+from services.runtime.redis_pipeline import PipelinedScripts
 from services.runtime.secret import Secret
 
 __all__ = [
@@ -60,6 +61,7 @@ class SessionStore:
         admin_key: Secret,
         refresh_lock_s: float,
         policy: EpisodePolicy | None = None,
+        pipelined: PipelinedScripts | None = None,
     ) -> None:
         ctx = StoreContext(
             redis=redis,
@@ -75,7 +77,7 @@ class SessionStore:
         self._publisher = Publisher(ctx, lookup=self._lookup)
         self._binder = EpisodeBinder(ctx, lookup=self._lookup, publisher=self._publisher)
         self._rewards = Rewards(ctx, lookup=self._lookup, publisher=self._publisher)
-        self._turns = TurnStore(ctx, lookup=self._lookup, binder=self._binder)
+        self._turns = TurnStore(ctx, lookup=self._lookup, binder=self._binder, pipelined=pipelined)
 
     @property
     def policy(self) -> EpisodePolicy:

@@ -20,6 +20,7 @@ from services.dataproxy.trainer_auth import TrainerAuth
 from services.dataproxy.trajectory_stream import StreamEntry, TrainerStats, TrajectoryStream
 from services.runtime.errors import InvalidRequest, Unavailable
 from services.runtime.logs import get_logger
+from services.runtime.redis_pipeline import PipelinedScripts
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -164,6 +165,7 @@ def build_control(
     keys: RedisKeys,
     settings: DataProxySettings,
     metrics: PauseMetrics | None = None,
+    pipelined: PipelinedScripts | None = None,
 ) -> Control:
     """The control layer with the settings' capacity policy and pause timings."""
     return Control(
@@ -178,6 +180,7 @@ def build_control(
         pause_wait_s=settings.pause_wait_s,
         pause_drain_timeout_s=settings.pause_drain_timeout_s,
         metrics=metrics,
+        pipelined=pipelined,
     )
 
 

@@ -36,18 +36,28 @@ from services.runtime.errors import (
 )
 from services.runtime.keys import key_id_of
 from services.runtime.logs import get_logger
+from services.runtime.redis_pipeline import PipelinedScripts
 from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
 
 
 class TurnStore(StorePart):
-    """Begins and appends turns of active episodes."""
+    """Begins and appends turns of active episodes (on the ledger's pipelined connection when
+    there is one: the scripts of the turns that start or end together share a socket write)."""
 
-    def __init__(self, ctx: StoreContext, *, lookup: KeyLookup, binder: EpisodeBinder) -> None:
+    def __init__(
+        self,
+        ctx: StoreContext,
+        *,
+        lookup: KeyLookup,
+        binder: EpisodeBinder,
+        pipelined: PipelinedScripts | None = None,
+    ) -> None:
         super().__init__(ctx)
         self._lookup = lookup
         self._binder = binder
+        self._turn_scripts = pipelined or ctx.redis
 
     async def begin_turn(
         self, digest: str, *, session_id: str, token: str, lease_until: float
@@ -61,7 +71,7 @@ class TurnStore(StorePart):
         """
         for _ in range(MAX_PUBLISH_ATTEMPTS):
             began = await self._scripts.begin_turn.run(
-                self._redis,
+                self._turn_scripts,
                 BeginTurnCall(
                     key=self._keys.key(digest),
                     paused=self._keys.paused,
@@ -163,7 +173,7 @@ class TurnStore(StorePart):
     ) -> AppendedTurn:
         now = time.time()
         return await self._scripts.append_turn.run(
-            self._redis,
+            self._turn_scripts,
             AppendTurnCall(
                 key=self._keys.key(episode.digest),
                 episode_hash=self._keys.episode(episode.key_id, episode.episode),

@@ -22,6 +22,8 @@ from typing import Any, ClassVar, Final, Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
+from services.runtime.redis_pipeline import PipelinedScripts
+
 ScriptArg = str | bytes | int | float
 
 StatusT = TypeVar("StatusT", bound="ScriptStatus")
@@ -164,9 +166,13 @@ class LuaScript:
         return cls(name=name, source=source, sha=hashlib.sha1(source.encode()).hexdigest())
 
     async def run(
-        self, redis: aioredis.Redis, keys: Sequence[str], args: Sequence[ScriptArg] = ()
+        self,
+        redis: aioredis.Redis | PipelinedScripts,
+        keys: Sequence[str],
+        args: Sequence[ScriptArg] = (),
     ) -> Any:
-        """EVALSHA; on NOSCRIPT (a restarted or failed-over Redis) EVAL, which caches it again."""
+        """EVALSHA; on NOSCRIPT (a restarted or failed-over Redis) EVAL, which caches it again.
+        Through `PipelinedScripts`, in one round trip with the other scripts asked for at once."""
         try:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -187,7 +193,7 @@ class Script(Generic[CallT, ReplyT]):
         package = ".".join(call.__module__.split(".")[:2])
         return cls(LuaScript.load(package, call.SCRIPT), call, parse)
 
-    async def run(self, redis: aioredis.Redis, call: CallT) -> ReplyT:
+    async def run(self, redis: aioredis.Redis | PipelinedScripts, call: CallT) -> ReplyT:
         """Runs the script with `call`'s KEYS and ARGV; its reply, parsed."""
         keys, args = call.keys_and_args()
         return self.parse(await self.lua.run(redis, keys, args))

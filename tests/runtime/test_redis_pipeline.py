@@ -1,0 +1,151 @@
+"""The ledger's pipelined connection: scripts asked for together are one socket write, each
+still gets its own answer, and a lost connection is reopened."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from rollgate.redis_server import free_port
+from services.runtime.redis_pipeline import PipelinedScripts
+from services.runtime.redis_scripts import LuaScript
+
+# Sets KEYS[1] to ARGV[1] and answers it; ARGV[1] == "bad" is a script error.
+SOURCE = """
+if ARGV[1] == 'bad' then return redis.error_reply('ERR refused ' .. ARGV[1]) end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]
+"""
+SCRIPT = LuaScript(name="set_echo", source=SOURCE, sha=hashlib.sha1(SOURCE.encode()).hexdigest())
+
+
+class CountingConnection(Connection):
+    """A real connection that counts its writes of commands (each packs what it sends)."""
+
+    writes = 0
+
+    def pack_commands(self, commands: Any) -> Any:
+        CountingConnection.writes += 1
+        return super().pack_commands(commands)
+
+
+class CountingRedis(aioredis.Redis):
+    """A client whose connections count their writes."""
+
+    @property
+    def pipelines(self) -> int:
+        return CountingConnection.writes
+
+
+@pytest.fixture
+async def counting(redis_url: str) -> AsyncIterator[CountingRedis]:
+    CountingConnection.writes = 0
+    client = cast(CountingRedis, CountingRedis.from_url(redis_url))
+    client.connection_pool.connection_class = CountingConnection
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def scripts(counting: CountingRedis) -> AsyncIterator[PipelinedScripts]:
+    pipelined = PipelinedScripts(counting)
+    try:
+        yield pipelined
+    finally:
+        await pipelined.aclose()
+
+
+async def test_scripts_asked_together_are_one_round_trip_each_with_its_answer(
+    counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
+) -> None:
+    await counting.script_load(SOURCE)
+    keys = [f"{key_prefix}k{i}" for i in range(8)]
+    replies = await asyncio.gather(
+        *(SCRIPT.run(scripts, [k], [f"v{i}"]) for i, k in enumerate(keys))
+    )
+    assert replies == [f"v{i}".encode() for i in range(8)]
+    assert counting.pipelines == 1
+    assert await counting.mget(keys) == [f"v{i}".encode() for i in range(8)]
+
+    # Asked one after the other: a round trip each.
+    assert await SCRIPT.run(scripts, [keys[0]], ["again"]) == b"again"
+    assert await SCRIPT.run(scripts, [keys[1]], ["again"]) == b"again"
+    assert counting.pipelines == 3
+
+
+async def test_a_script_error_is_that_calls_alone(
+    counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
+) -> None:
+    await counting.script_load(SOURCE)
+    good, bad, other = (
+        SCRIPT.run(scripts, [f"{key_prefix}{n}"], [v])
+        for n, v in (("a", "x"), ("b", "bad"), ("c", "y"))
+    )
+    replies = await asyncio.gather(good, bad, other, return_exceptions=True)
+    assert replies[0] == b"x"
+    assert isinstance(replies[1], ResponseError)
+    assert "refused bad" in str(replies[1])
+    assert replies[2] == b"y"
+    assert counting.pipelines == 1
+
+
+async def test_scripts_redis_forgot_run_with_eval_and_stay_cached(
+    counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
+) -> None:
+    await counting.script_flush()
+    replies = await asyncio.gather(
+        *(SCRIPT.run(scripts, [f"{key_prefix}n{i}"], [str(i)]) for i in range(4))
+    )
+    assert replies == [b"0", b"1", b"2", b"3"]
+    # EVALSHA for all four (NOSCRIPT each), then EVAL for all four: two round trips.
+    assert counting.pipelines == 2
+    assert await counting.script_exists(SCRIPT.sha) == [True]
+
+
+async def test_a_caller_that_gives_up_leaves_the_others_alone(
+    counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
+) -> None:
+    await counting.script_load(SOURCE)
+    given_up = asyncio.ensure_future(SCRIPT.run(scripts, [f"{key_prefix}gone"], ["no"]))
+    kept = asyncio.ensure_future(SCRIPT.run(scripts, [f"{key_prefix}kept"], ["yes"]))
+    await asyncio.sleep(0)  # both queued, the round trip not sent yet
+    given_up.cancel()
+    assert await kept == b"yes"
+    assert given_up.cancelled()
+    # The command given up before it was sent was never sent.
+    assert await counting.get(f"{key_prefix}gone") is None
+
+
+async def test_a_round_trip_that_fails_fails_every_call_in_it() -> None:
+    # Nothing listens there: every queued call gets the connection error.
+    client = aioredis.Redis(port=free_port(), socket_connect_timeout=1.0)
+    try:
+        pipelined = PipelinedScripts(client)
+        replies = await asyncio.gather(
+            *(SCRIPT.run(pipelined, [f"k{i}"], ["v"]) for i in range(3)), return_exceptions=True
+        )
+        await pipelined.aclose()
+    finally:
+        await client.aclose()
+    assert all(isinstance(r, RedisConnectionError) for r in replies), replies
+
+
+async def test_a_lost_connection_is_opened_again(
+    counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
+) -> None:
+    await counting.script_load(SOURCE)
+    assert await SCRIPT.run(scripts, [f"{key_prefix}a"], ["1"]) == b"1"
+    # Redis drops the connection (a restart, a failover, a proxy's idle timeout).
+    killed = await counting.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1
+    assert await SCRIPT.run(scripts, [f"{key_prefix}b"], ["2"]) == b"2"
