@@ -242,6 +242,23 @@ def _first_token(message: str) -> str | None:
     return token if _TOKEN.fullmatch(token) else None
 
 
+def _answered_in_http11(
+    request: web.BaseRequest, response: web.StreamResponse
+) -> web.StreamResponse:
+    """A refusal of an HTTP/2.0 or HTTP/0.9 request line, answered `HTTP/1.1 505` and closed.
+
+    aiohttp writes a response's status line in the request's version (`HTTP/2.0 505` would
+    claim a protocol the gateway does not speak) and offers no public way to change it, so the
+    parsed message's version is replaced: private attributes of the pinned aiohttp, which
+    tests/gateway/test_http_edge.py checks on every such request line (it fails loudly if the
+    attribute goes away).
+    """
+    request._message = request._message._replace(version=HttpVersion11)
+    request._cache["version"] = HttpVersion11  # `version` is reified
+    response.force_close()
+    return response
+
+
 def check_request_head(request: web.BaseRequest) -> None:
     """The checks aiohttp's parser leaves to us: version, header bytes, Content-Encoding."""
     if request.version not in (HttpVersion10, HttpVersion11):
@@ -305,6 +322,8 @@ def edge_handler(app_handler: _AppHandler, on_refused: RefusalHook = _not_counte
         except RollgateError as err:
             log.info("request_refused", path=request.path, status=err.http_status, code=err.code)
             on_refused(request.method, err.http_status)
+            if request.version not in (HttpVersion10, HttpVersion11):
+                return _answered_in_http11(request, route_shaped(request, error_response(err)))
             return route_shaped(request, error_response(err))
         except web.HTTPException as exc:
             # Raised before the middlewares (an unknown Expect): same shape as theirs.

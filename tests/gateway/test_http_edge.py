@@ -192,6 +192,35 @@ async def test_every_refused_request_gets_the_json_error_shape(
         assert headers["allow"] == "GET, POST"
 
 
+@pytest.mark.parametrize(
+    "request_line",
+    [b"GET /health HTTP/2.0", b"GET /health HTTP/0.9", b"GET /health", b"GET /health HTTP/1.2"],
+)
+async def test_a_refused_version_is_answered_in_http_1_and_closed(
+    gateway_without_backends: Gateway, request_line: bytes
+) -> None:
+    # aiohttp answers in the request's version (`HTTP/2.0 505`, `HTTP/0.9 505`) unless the
+    # edge rewrites it (a private attribute of the pinned aiohttp: this fails if it goes away).
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", gateway_without_backends.server.port
+    )
+    try:
+        writer.write(request_line + b"\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        async with asyncio.timeout(30):
+            answer = await reader.read()  # up to EOF: the connection is closed after it
+    finally:
+        writer.close()
+    status_line = answer.split(b"\r\n", 1)[0]
+    assert status_line in (
+        b"HTTP/1.1 505 HTTP Version Not Supported",
+        b"HTTP/1.0 505 HTTP Version Not Supported",
+    ), status_line
+    got, headers, body = parse(answer)
+    assert got == 505
+    assert_error_shape(headers, body, "http_version_not_supported")
+
+
 def edge_refusals(server: GatewayServer) -> dict[tuple[str, str], float]:
     """requests_total of the requests refused before routing, by (method, status)."""
     counted: dict[tuple[str, str], float] = {}
