@@ -211,6 +211,9 @@ PARSER_CODES = {
     "malformed_request", "malformed_request_line", "invalid_header", "invalid_url",
     "uri_too_long", "headers_too_large", "invalid_content_length", "invalid_transfer_encoding",
     "method_not_allowed", "http_version_not_supported", "unsupported_content_encoding",
+    # A body declared gzip/deflate that is not: when it arrives with its head the parser
+    # decodes it (default shape); when it arrives later, the route does (the route's shape).
+    "invalid_body_encoding",
 }  # fmt: skip
 
 
