@@ -8,7 +8,7 @@ AREAL_STAMP := $(VENV)/.installed-areal
 ENGINE_VENV ?= .venv-engine
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
 
-.PHONY: run test test-engine lint protos bench clean
+.PHONY: run test test-engine lint protos bench clean chromium
 
 AREAL_VERSION := 1.0.4
 
@@ -29,8 +29,18 @@ $(AREAL_STAMP): $(STAMP) requirements-areal.txt
 run: $(STAMP)  ## the whole stack as local processes (embedded Redis, mock LLM unless configured)
 	$(BIN)/rollgate up $(ARGS)
 
-test: $(AREAL_STAMP)  ## every test, against real Redis and real service processes
+test: $(AREAL_STAMP) chromium  ## every test, against real Redis and real service processes
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The console's browser tests drive a headless Chromium: Debian's `chromium` package, installed
+# with apt-get when missing (as root, or through sudo); $CHROMIUM names another binary.
+chromium:
+	@"$${CHROMIUM:-chromium}" --version >/dev/null 2>&1 || { \
+	  echo "make: installing Debian's chromium for the console's browser tests"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; \
+	  "$${CHROMIUM:-chromium}" --version >/dev/null 2>&1 || { \
+	    echo "make: chromium is still missing: install it (apt-get install -y chromium) or set CHROMIUM" >&2; exit 1; }; }
 
 # vLLM (CPU) in a venv of its own: it pins its own torch and transformers.
 $(ENGINE_STAMP): tests/engine/requirements.txt tests/engine/overrides.txt tests/engine/install.sh

@@ -113,3 +113,46 @@ def test_a_missing_chromium_is_installed_with_apt_get_before_make_test(tmp_path:
     installs = [line for line in _log(tmp_path, "apt.log") if "install" in line]
     assert installs == ["install -y -qq chromium"]
     assert _log(tmp_path, "make.log") == ["test", "test-engine"]
+
+
+def _make_chromium(tmp_path: Path, *, installable: bool) -> subprocess.CompletedProcess[str]:
+    """`make chromium` (what `make test` runs first) with stand-ins for apt-get and chromium."""
+    bin_dir = tmp_path / "bin"
+    state = tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    apt = FAKE_APT if installable else '#!/bin/bash\necho "$*" >> "$FAKE_STATE/apt.log"\n'
+    for name, text in (("apt-get", apt), ("id", FAKE_ID), ("chromium", FAKE_CHROMIUM)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CHROMIUM"}
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_STATE=str(state),
+        CHROMIUM=str(bin_dir / "chromium"),
+    )
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(REPO), "chromium"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_make_test_installs_a_missing_chromium_with_apt_get_first(tmp_path: Path) -> None:
+    # `make test` alone on a new machine: the console's browser tests need it too.
+    done = _make_chromium(tmp_path, installable=True)
+    assert done.returncode == 0, done.stderr
+    installs = [line for line in _log(tmp_path, "apt.log") if "install" in line]
+    assert installs == ["install -y -qq chromium"]
+
+
+def test_make_test_stops_with_a_clear_message_when_chromium_cannot_be_installed(
+    tmp_path: Path,
+) -> None:
+    done = _make_chromium(tmp_path, installable=False)
+    assert done.returncode != 0
+    assert "chromium is still missing" in done.stderr and "CHROMIUM" in done.stderr
