@@ -22,11 +22,12 @@ import itertools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from protos import common_pb2, dataproxy_pb2
+from services.gateway.duplex import BatchedCall
 from services.runtime import tracing
 from services.runtime.errors import (
     InternalError,
@@ -37,7 +38,6 @@ from services.runtime.errors import (
     from_rpc_error,
 )
 from services.runtime.logs import get_logger
-from services.runtime.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from protos.dataproxy_pb2_grpc import DataProxyAsyncStub
@@ -107,27 +107,19 @@ class _StreamLost(Exception):
         self.error = error
 
 
-class _Stream:
+class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
     """One open `DataProxy.Ledger` call: ops queued and written together, answers by id.
 
-    `ask` queues its op; one writer task sends everything queued as one `LedgerRequests`
-    (grpc.aio allows one write in flight per call, and a message costs the same whatever it
-    carries), so ops asked while a write is under way go together in the next one.
+    `ask` queues its op; the writer sends everything queued as one `LedgerRequests`, so ops
+    asked while a write is under way go together in the next one (`duplex.BatchedCall`).
+    A stopping stream (its dataproxy refused a begin as it shuts down) takes no more begins;
+    records and releases of the turns it admitted still come here, its drain waits for them.
     """
 
     def __init__(self, stub: DataProxyAsyncStub, ledger: LedgerClient) -> None:
-        self._call: Any = stub.Ledger()
         self._ledger = ledger
         self._pending: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
-        self._outbox: list[dataproxy_pb2.LedgerRequest] = []
-        self._queued = asyncio.Event()
-        self._closing = False
-        self.alive = True
-        # Its dataproxy refused a begin as it shuts down: no more begins here (records and
-        # releases of the turns it admitted still come here, its drain waits for them).
-        self.stopping = False
-        self._reader = asyncio.create_task(self._read(), name="ledger-reader")
-        self._writer = asyncio.create_task(self._write(), name="ledger-writer")
+        super().__init__(stub.Ledger(), name="ledger")
 
     async def ask(
         self, request: dataproxy_pb2.LedgerRequest, timeout_s: float
@@ -138,8 +130,7 @@ class _Stream:
         answer: asyncio.Future[dataproxy_pb2.LedgerResponse]
         answer = asyncio.get_running_loop().create_future()
         self._pending[request.id] = answer
-        self._outbox.append(request)
-        self._queued.set()
+        self._queue(request)
         try:
             async with asyncio.timeout(timeout_s):
                 return await answer
@@ -153,21 +144,11 @@ class _Stream:
                 # Given up (timed out, cancelled) before it was written: it is never sent.
                 self._outbox = [op for op in self._outbox if op is not request]
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                if not self._outbox:
-                    if self._closing:
-                        await self._call.done_writing()
-                        return
-                    await self._queued.wait()
-                    self._queued.clear()
-                    continue
-                batch = dataproxy_pb2.LedgerRequests(ops=self._outbox)
-                self._outbox = []
-                await self._call.write(batch)
-        except Exception as err:  # any broken write fails the waiting ops
-            self._fail(_error_of(err))
+    def _batch(self, ops: list[dataproxy_pb2.LedgerRequest]) -> dataproxy_pb2.LedgerRequests:
+        return dataproxy_pb2.LedgerRequests(ops=ops)
+
+    def _write_failed(self, err: Exception) -> None:
+        self._fail(_error_of(err))
 
     async def _read(self) -> None:
         error = _lost()
@@ -196,19 +177,6 @@ class _Stream:
         for waiter in self._pending.values():
             if not waiter.done():
                 waiter.set_exception(_StreamLost(error))
-
-    async def close(self) -> None:
-        """Half-closes the stream (after what is queued is written), then stops reading."""
-        self._closing = True
-        self._queued.set()
-        if self.alive:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await asyncio.shield(self._writer)
-                    await asyncio.shield(self._reader)
-        self._call.cancel()
-        await cancel_and_wait(self._writer)
-        await cancel_and_wait(self._reader)
 
 
 def _lost() -> RollgateError:

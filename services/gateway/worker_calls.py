@@ -16,13 +16,12 @@ to another worker) and is reopened by the next turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-from typing import Any
 
 import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
+from services.gateway.duplex import BatchedCall
 from services.runtime.errors import (
     RollgateError,
     Unavailable,
@@ -33,7 +32,6 @@ from services.runtime.errors import (
 )
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.logs import get_logger
-from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -162,20 +160,15 @@ class WorkerTurn:
             self._waiter.set_result(None)
 
 
-class _WorkerStream:
-    """One open `Worker.Turns` call: ops queued and written together, events by turn id."""
+class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
+    """One open `Worker.Turns` call: ops queued and written together, events by turn id.
+
+    A stopping stream (its worker said it is shutting down) takes no new turns.
+    """
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._call: Any = worker_pb2_grpc.WorkerStub(channel).Turns()
-        self._outbox: list[worker_pb2.TurnOp] = []
-        self._queued = asyncio.Event()
         self._turns: dict[int, WorkerTurn] = {}
-        self._closing = False
-        self.alive = True
-        # The worker said it is shutting down: new turns go to a new stream.
-        self.stopping = False
-        self._reader = asyncio.create_task(self._read(), name="worker-turns-reader")
-        self._writer = asyncio.create_task(self._write(), name="worker-turns-writer")
+        super().__init__(worker_pb2_grpc.WorkerStub(channel).Turns(), name="worker-turns")
 
     @property
     def usable(self) -> bool:
@@ -190,8 +183,7 @@ class _WorkerStream:
 
     def send(self, op: worker_pb2.TurnOp) -> None:
         if self.alive:
-            self._outbox.append(op)
-            self._queued.set()
+            self._queue(op)
 
     def cancel(self, turn_id: int) -> None:
         """Stops a turn: never sent when its start is still queued, else a cancel op."""
@@ -201,20 +193,11 @@ class _WorkerStream:
         if len(self._outbox) == queued:
             self.send(worker_pb2.TurnOp(id=turn_id, cancel=True))
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                if not self._outbox:
-                    if self._closing:
-                        await self._call.done_writing()
-                        return
-                    self._queued.clear()
-                    await self._queued.wait()
-                    continue
-                ops, self._outbox = self._outbox, []
-                await self._call.write(worker_pb2.TurnOps(ops=ops))
-        except Exception as err:  # any broken write fails the stream's turns
-            self._fail(from_rpc_error(err, hop="worker") if _rpc(err) else _unreachable())
+    def _batch(self, ops: list[worker_pb2.TurnOp]) -> worker_pb2.TurnOps:
+        return worker_pb2.TurnOps(ops=ops)
+
+    def _write_failed(self, err: Exception) -> None:
+        self._fail(from_rpc_error(err, hop="worker") if _rpc(err) else _unreachable())
 
     async def _read(self) -> None:
         error: RollgateError | None = None
@@ -248,19 +231,6 @@ class _WorkerStream:
                 turn.fail(error or _no_record())
             else:
                 turn.fail(error or _unreachable())
-
-    async def close(self) -> None:
-        """Half-closes the stream (after what is queued is written), then stops reading."""
-        self._closing = True
-        self._queued.set()
-        if self.alive:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await asyncio.shield(self._writer)
-                    await asyncio.shield(self._reader)
-        self._call.cancel()
-        await cancel_and_wait(self._writer)
-        await cancel_and_wait(self._reader)
 
 
 def _rpc(err: Exception) -> bool:
