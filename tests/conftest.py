@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,33 @@ os.environ.setdefault("ROLLGATE_METRICS_PORT", "0")
 # The real-engine suite (tests/engine) needs vLLM's own venv: `make test-engine` builds it and
 # names its python here. `make test` leaves the suite out.
 collect_ignore = [] if os.environ.get("ROLLGATE_ENGINE_PYTHON") else ["engine"]
+
+# A hang pytest-timeout cannot break ends the run with every thread's stack instead of using up
+# CI's time in silence: its SIGALRM needs the main thread to run Python, which a C extension
+# holding the GIL or a wait that retries on EINTR never lets it. faulthandler's watchdog is a C
+# thread; it writes to the terminal's stderr (dup'ed before capture hides it) and exits.
+HARD_DEADLINE_S = 420  # per test, setup and teardown included; pytest-timeout's is 300
+_terminal_stderr: list[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture()
+    try:
+        _terminal_stderr.append(os.dup(2))
+    finally:
+        if capture is not None:
+            capture.resume_global_capture()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    faulthandler.dump_traceback_later(HARD_DEADLINE_S, exit=True, file=_terminal_stderr[0])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
