@@ -21,6 +21,7 @@ from services.gateway import (
 from services.gateway.backends import ROUTE_CACHE, SETTINGS, TURN_METRICS, backends_ctx
 from services.gateway.edge import EdgeLimits, GatewayRunner
 from services.gateway.http_errors import error_middleware
+from services.gateway.protocols import ERROR_SHAPES, ErrorShapes, Protocol, routes_of
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
 from services.gateway.tracing_http import tracing_ctx, tracing_middleware
@@ -30,22 +31,34 @@ from services.runtime.metrics import MetricsServer, ServiceMetrics
 
 log = get_logger(__name__)
 
+# The HTTP protocols this gateway speaks (services/gateway/protocols.py), mounted in this order.
+# A new protocol is its module and a line here.
+PROTOCOLS: tuple[Protocol, ...] = (
+    session_api.PROTOCOL,
+    chat.PROTOCOL,
+    models.PROTOCOL,
+    responses.PROTOCOL,
+    messages.PROTOCOL,
+)
+
 
 def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) -> web.Application:
     """The application: routes, middlewares, and the gRPC channels as a cleanup context.
     Its metrics go into `metrics`'s registry (served on the metrics port, not here)."""
     # Outermost first: the trace spans everything; metrics see the status the error middleware
-    # produced; the Messages paths then reshape it as Anthropic's error.
+    # produced; a protocol with an error shape of its own (Messages) then reshapes it.
+    shapes = ErrorShapes(PROTOCOLS)
     app = web.Application(
         middlewares=[
             tracing_middleware,
             health.metrics_middleware,
-            messages.anthropic_errors,
+            shapes.middleware(),
             error_middleware,
         ],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
+    app[ERROR_SHAPES] = shapes
     app[ROUTE_CACHE] = RouteCache(
         ttl_s=settings.route_cache_ttl_s, max_entries=settings.route_cache_size
     )
@@ -56,21 +69,13 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
     app.cleanup_ctx.append(tracing_ctx)
     app.cleanup_ctx.append(backends_ctx)
     app.cleanup_ctx.append(health.live_workers_ctx)
-    app.router.add_post("/rl/start_session", session_api.start_session)
-    app.router.add_post("/rl/set_reward", session_api.set_reward)
-    app.router.add_post("/rl/end_session", session_api.end_session)
-    app.router.add_post("/rl/keys", session_api.issue_key)
-    app.router.add_post("/rl/keys/revoke", session_api.revoke)
+    for protocol in PROTOCOLS:
+        protocol.mount(app)
     key_admin.mount(app)
     console.mount(app, settings)
-    for prefix in ("/v1", ""):
-        app.router.add_post(f"{prefix}/chat/completions", chat.chat_completions)
-        app.router.add_get(f"{prefix}/models", models.list_models, allow_head=False)
-    responses.mount(app)
-    messages.mount(app)
     ws.mount(app, ws.config_from(settings))
-    # Last of the session-key routes: each gets a /sessions/{id} twin (url_sessions.py).
-    url_sessions.mount(app)
+    # Each session-key route gets its /sessions/{id} twins (url_sessions.py).
+    url_sessions.mount(app, routes_of(PROTOCOLS))
     app.router.add_get("/health", health.health, allow_head=False)
     app.router.add_get("/ready", health.ready, allow_head=False)
     return app
@@ -91,7 +96,10 @@ class GatewayServer:
         )
         app = build_app(settings, self.metrics)
         self.runner = GatewayRunner(
-            app, limits=limits, on_refused=app[health.METRICS].refused_at_edge
+            app,
+            limits=limits,
+            on_refused=app[health.METRICS].refused_at_edge,
+            shapes=app[ERROR_SHAPES],
         )
         self.metrics_server = MetricsServer(self.metrics, settings.metrics)
         self.port = 0

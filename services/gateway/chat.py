@@ -15,6 +15,7 @@ from services.gateway.backends import RELAY, SETTINGS
 from services.gateway.header_mode import TurnTags, body_tags, turn_tags
 from services.gateway.http_errors import JSON_CONTENT_TYPE, sse_error_event
 from services.gateway.json_body import load_json
+from services.gateway.protocols import Protocol, Route, openai_paths
 from services.gateway.relay import Chunks, Done, TurnSpec, split_body
 from services.runtime.errors import InvalidRequest, RollgateError, check_identifier
 from services.runtime.keys import key_digest
@@ -122,3 +123,12 @@ async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
             return response
     await response.write_eof()
     return response
+
+
+PROTOCOL = Protocol(
+    name="chat",
+    routes=tuple(
+        Route(method="POST", path=path, handler=chat_completions)
+        for path in openai_paths("/chat/completions")
+    ),
+)

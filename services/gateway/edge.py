@@ -34,7 +34,7 @@ from services.gateway.http_errors import (
     http_exception_response,
     undecodable_body,
 )
-from services.gateway.messages_translate import error_body, is_messages_path
+from services.gateway.protocols import ErrorShapes
 from services.runtime.errors import InternalError, InvalidRequest, RollgateError, UpstreamTimeout
 from services.runtime.logs import get_logger
 
@@ -308,8 +308,17 @@ def _not_counted(method: str, status: int) -> None:
     """The refusal hook of an edge without metrics."""
 
 
-def edge_handler(app_handler: _AppHandler, on_refused: RefusalHook = _not_counted) -> _AppHandler:
-    """Wraps the application: head checks first, and aiohttp's own HTTP exceptions as JSON."""
+# The edge of an app without protocols of their own error shape.
+OPENAI_ONLY = ErrorShapes()
+
+
+def edge_handler(
+    app_handler: _AppHandler,
+    on_refused: RefusalHook = _not_counted,
+    shapes: ErrorShapes = OPENAI_ONLY,
+) -> _AppHandler:
+    """Wraps the application: head checks first, and aiohttp's own HTTP exceptions as JSON
+    (in the shape of the protocol the path belongs to, as the app's own errors)."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         protocol = request.protocol
@@ -323,8 +332,8 @@ def edge_handler(app_handler: _AppHandler, on_refused: RefusalHook = _not_counte
             log.info("request_refused", path=request.path, status=err.http_status, code=err.code)
             on_refused(request.method, err.http_status)
             if request.version not in (HttpVersion10, HttpVersion11):
-                return _answered_in_http11(request, route_shaped(request, error_response(err)))
-            return route_shaped(request, error_response(err))
+                return _answered_in_http11(request, shapes.reshape(request, error_response(err)))
+            return shapes.reshape(request, error_response(err))
         except web.HTTPException as exc:
             # Raised before the middlewares (an unknown Expect): same shape as theirs.
             if exc.status < 400:
@@ -335,20 +344,10 @@ def edge_handler(app_handler: _AppHandler, on_refused: RefusalHook = _not_counte
                     "the only Expect value served is 100-continue; drop the header or "
                     "send `Expect: 100-continue`"
                 )
-                return route_shaped(request, error_response(expect))
-            return route_shaped(request, http_exception_response(request, exc))
+                return shapes.reshape(request, error_response(expect))
+            return shapes.reshape(request, http_exception_response(request, exc))
 
     return handle
-
-
-def route_shaped(request: web.BaseRequest, response: web.Response) -> web.Response:
-    """An edge error in the shape of the route it was meant for: Anthropic's on the Messages
-    paths (as the app's own anthropic_errors middleware does), OpenAI's everywhere else."""
-    if not is_messages_path(request.raw_path.partition("?")[0]):
-        return response
-    error = orjson.loads(response.body if isinstance(response.body, bytes) else b"{}")["error"]
-    response.body = orjson.dumps(error_body(response.status, error["message"], error["code"]))
-    return response
 
 
 class GatewayRequestHandler(web_protocol.RequestHandler):
@@ -360,6 +359,7 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
         *,
         limits: EdgeLimits,
         on_refused: RefusalHook = _not_counted,
+        shapes: ErrorShapes = OPENAI_ONLY,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -372,6 +372,7 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
         )
         self._limits = limits
         self._on_refused = on_refused
+        self._shapes = shapes
         # True while the connection waits for the head of its next request.
         self._awaiting_head = True
         self._head_timer: asyncio.TimerHandle | None = None
@@ -492,7 +493,7 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
             )
             log.info("request_unparseable", status=error.http_status, code=error.code)
             self._on_refused(UNPARSED_METHOD, error.http_status)
-        response = route_shaped(request, error_response(error))
+        response = self._shapes.reshape(request, error_response(error))
         if isinstance(error, MethodNotAllowed):
             response.headers["Allow"] = _METHODS_SERVED
         # Said explicitly: the answer goes out as HTTP/1.0 (the request was never parsed).
@@ -523,11 +524,13 @@ class GatewayHttpServer(web.Server):
         *,
         limits: EdgeLimits,
         on_refused: RefusalHook = _not_counted,
+        shapes: ErrorShapes = OPENAI_ONLY,
         **kwargs: Any,
     ) -> None:
         super().__init__(handler, **kwargs)
         self._limits = limits
         self._on_refused = on_refused
+        self._shapes = shapes
         # What RequestHandler takes (Server keeps the rest itself).
         self._handler_kwargs = {
             k: v
@@ -541,6 +544,7 @@ class GatewayHttpServer(web.Server):
             loop=asyncio.get_running_loop(),
             limits=self._limits,
             on_refused=self._on_refused,
+            shapes=self._shapes,
             **self._handler_kwargs,
         )
 
@@ -549,20 +553,27 @@ class GatewayRunner(web.AppRunner):
     """AppRunner serving through GatewayHttpServer (the app's startup and cleanup unchanged)."""
 
     def __init__(
-        self, app: web.Application, *, limits: EdgeLimits, on_refused: RefusalHook = _not_counted
+        self,
+        app: web.Application,
+        *,
+        limits: EdgeLimits,
+        on_refused: RefusalHook = _not_counted,
+        shapes: ErrorShapes = OPENAI_ONLY,
     ) -> None:
         super().__init__(app, access_log=None)
         self._limits = limits
         self._on_refused = on_refused
+        self._shapes = shapes
 
     async def _make_server(self) -> web.Server:
         # The app's own server runs its startup and freezes it; ours takes its handler and
         # request factory (public attributes) and adds the edge around them.
         base = await super()._make_server()
         return GatewayHttpServer(
-            edge_handler(base.request_handler, self._on_refused),
+            edge_handler(base.request_handler, self._on_refused, self._shapes),
             limits=self._limits,
             on_refused=self._on_refused,
+            shapes=self._shapes,
             request_factory=base.request_factory,
             # A client that disconnects cancels its handler, and so its RPC.
             handler_cancellation=True,

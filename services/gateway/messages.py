@@ -15,25 +15,24 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from services.gateway import chat
 from services.gateway.auth import require_session_key
 from services.gateway.backends import RELAY, SETTINGS
 from services.gateway.header_mode import TurnTags, turn_tags
-from services.gateway.http_errors import JSON_CONTENT_TYPE, json_response
+from services.gateway.http_errors import json_response
 from services.gateway.messages_translate import (
+    MESSAGES_PATH,
     MessagesCall,
     MessageStream,
     error_body,
     error_event,
-    is_messages_path,
     message_from_completion,
     new_message_id,
     parse_request,
 )
+from services.gateway.protocols import Protocol, Route, Twins
 from services.gateway.relay import Chunks, Done, TurnSpec, split_body
-from services.gateway.url_sessions import ATTEMPT_PREFIX, SESSION_PREFIX
 from services.runtime.errors import NotFound, RollgateError
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
@@ -163,43 +162,21 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     return response
 
 
-@web.middleware
-async def anthropic_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Errors on the Messages paths in Anthropic's shape (`{"type": "error", "error": {type,
-    message, code}}`), same status and headers; it wraps the error middleware, so every error an
-    Anthropic client can meet there (auth, routing, body limits, the relay) is covered."""
-    response = await handler(request)
-    # The raw path: decoded, an escaped `/` in a session id (`..%2F..`) would hide the route.
-    if response.status < 400 or not is_messages_path(request.raw_path.partition("?")[0]):
-        return response
-    if not isinstance(response, web.Response) or response.content_type != JSON_CONTENT_TYPE:
-        return response
-    try:
-        body: Any = orjson.loads(response.body) if isinstance(response.body, bytes) else None
-    except orjson.JSONDecodeError:
-        body = None
-    error = body.get("error") if isinstance(body, dict) else None
-    error = error if isinstance(error, dict) else {}
-    message, code = error.get("message"), error.get("code")
-    response.body = orjson.dumps(
-        error_body(
-            response.status,
-            message if isinstance(message, str) else response.reason,
-            code if isinstance(code, str) else "",
-        )
-    )
-    return response
-
-
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages/count_tokens: not served, with a 404 that says so and what to do."""
     raise NotFound(COUNT_TOKENS_NOT_SERVED, code="count_tokens_not_served")
 
 
-def mount(app: web.Application) -> None:
-    """Adds POST /v1/messages to `app` (its error shape comes from `anthropic_errors`), and
-    the count_tokens 404 at the top level and under the session prefixes."""
-    app.router.add_post("/v1/messages", create_message)
-    # Not a session-key route: the 404 needs no key, and says the same under every prefix.
-    for prefix in ("", SESSION_PREFIX, ATTEMPT_PREFIX):
-        app.router.add_post(prefix + "/v1/messages/count_tokens", count_tokens)
+PROTOCOL = Protocol(
+    name="messages",
+    routes=(
+        Route(method="POST", path="/v1/messages", handler=create_message),
+        # Not a session-key route: the 404 needs no key, and says the same under every prefix.
+        Route(
+            method="POST", path="/v1/messages/count_tokens", handler=count_tokens, twins=Twins.SAME
+        ),
+    ),
+    # Anthropic's shape on these paths, for every error (auth, routing, limits, the relay).
+    error_paths=MESSAGES_PATH,
+    error_body=error_body,
+)

@@ -41,7 +41,7 @@ _ERROR_TYPES = {
 # What a tool message's content starts with when its tool_result said `is_error: true`.
 TOOL_ERROR_PREFIX = "Error: "
 # /v1/messages and what lies under it, at the top level or under a session path.
-_MESSAGES_PATH = re.compile(r"(/sessions/[^/]*|/rollout/[^/]*/attempt/[^/]*)?/v1/messages(/.*)?")
+MESSAGES_PATH = re.compile(r"(/sessions/[^/]*|/rollout/[^/]*/attempt/[^/]*)?/v1/messages(/.*)?")
 
 
 def new_message_id() -> str:
@@ -51,7 +51,7 @@ def new_message_id() -> str:
 
 def is_messages_path(path: str) -> bool:
     """True for paths whose errors take Anthropic's shape."""
-    return _MESSAGES_PATH.fullmatch(path) is not None
+    return MESSAGES_PATH.fullmatch(path) is not None
 
 
 def error_type(status: int) -> str:

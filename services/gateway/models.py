@@ -12,6 +12,7 @@ from services.gateway.auth import KeyKind, require_any_key
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
 from services.gateway.key_admin import KEYS
+from services.gateway.protocols import Protocol, Route, openai_paths
 from services.runtime.errors import from_rpc_error
 from services.runtime.keys import key_digest
 
@@ -49,3 +50,14 @@ async def list_models(request: web.Request) -> web.Response:
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err, hop="router") from None
     return json_response(model_list(response.workers, created=request.app[STARTED_AT]))
+
+
+PROTOCOL = Protocol(
+    name="models",
+    # Twinned under the session prefixes like a session-key route, where the admin key (which
+    # names no episode) is taken as well.
+    routes=tuple(
+        Route(method="GET", path=path, handler=list_models, admin_key=True)
+        for path in openai_paths("/models")
+    ),
+)

@@ -22,6 +22,7 @@ from services.gateway.backends import RELAY, SETTINGS
 from services.gateway.chat import SSE_DONE, SSE_HEADERS
 from services.gateway.header_mode import TurnTags, turn_tags
 from services.gateway.http_errors import json_response
+from services.gateway.protocols import Protocol, Route, openai_paths
 from services.gateway.relay import Delta, Done, Event, bridge_spec
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
 from services.gateway.responses_translate import (
@@ -333,10 +334,23 @@ async def get_response(request: web.Request) -> web.Response:
     return web.Response(body=raw, content_type="application/json")
 
 
-def mount(app: web.Application) -> None:
-    """Adds the Responses routes (and the Conversations channel) to `app`."""
+def _setup(app: web.Application) -> None:
+    """The Conversations channel the handlers use."""
     if conversations_ctx not in app.cleanup_ctx:
         app.cleanup_ctx.append(conversations_ctx)
-    for prefix in ("/v1", ""):
-        app.router.add_post(f"{prefix}/responses", create_response)
-        app.router.add_get(f"{prefix}/responses/{{response_id}}", get_response, allow_head=False)
+
+
+PROTOCOL = Protocol(
+    name="responses",
+    routes=tuple(
+        route
+        for post, get in zip(
+            openai_paths("/responses"), openai_paths("/responses/{response_id}"), strict=True
+        )
+        for route in (
+            Route(method="POST", path=post, handler=create_response),
+            Route(method="GET", path=get, handler=get_response),
+        )
+    ),
+    setup=_setup,
+)

@@ -18,6 +18,7 @@ from services.gateway.header_mode import session_id_header
 from services.gateway.http_errors import json_response
 from services.gateway.json_body import load_json
 from services.gateway.key_admin import issue_access_key, require_admin, revoke_key
+from services.gateway.protocols import Protocol, Route, Twins
 from services.runtime import tracing
 from services.runtime.errors import InvalidRequest, check_identifier, from_rpc_error
 from services.runtime.keys import key_digest, looks_like_session_key
@@ -230,3 +231,16 @@ async def revoke(request: web.Request) -> web.Response:
     """POST /rl/keys/revoke (admin key): revokes a session, admin or trainer key."""
     await require_admin(request)
     return await revoke_key(request, _json_object(await request.read()))
+
+
+PROTOCOL = Protocol(
+    name="rl",
+    routes=(
+        Route(method="POST", path="/rl/start_session", handler=start_session, twins=Twins.NONE),
+        # A body's `session_id` would otherwise win over the path's (it names the episode).
+        Route(method="POST", path="/rl/set_reward", handler=set_reward, body_session_id=True),
+        Route(method="POST", path="/rl/end_session", handler=end_session, body_session_id=True),
+        Route(method="POST", path="/rl/keys", handler=issue_key, twins=Twins.NONE),
+        Route(method="POST", path="/rl/keys/revoke", handler=revoke, twins=Twins.NONE),
+    ),
+)

@@ -2,7 +2,7 @@
 
 rLLM's, verl's and miles' gateways let a stock client name its session in `base_url`
 (`http://<gw>/sessions/<id>/v1`). Here the path does what `X-Session-Id` does with a header-mode
-key (POST /rl/keys), on every session-key route: each route below gets a twin under
+key (POST /rl/keys), on every session-key route: each one a protocol declares (services/gateway/protocols.py) gets a twin under
 `/sessions/{session_id}` whose handler is the same one, called with `X-Session-Id` set from the
 path. Agent Lightning's `/rollout/<rollout>/attempt/<attempt>/v1/...` names the session
 `<rollout>:<attempt>` the same way. A per-episode key cannot name episodes, so it is refused on
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 import grpc
@@ -27,10 +27,9 @@ from services.gateway.auth import KeyKind, require_any_key, require_session_key
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.header_mode import SESSION_ID_HEADER
 from services.gateway.key_admin import KEYS
+from services.gateway.protocols import Handler, Route, Twins
 from services.runtime.errors import InvalidRequest, bounded, from_rpc_error
 from services.runtime.keys import key_digest
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The path parameter may be empty so that `/sessions//v1/...` gets the 400 that says why.
 SESSION_PREFIX = "/sessions/{session_id:[^{}/]*}"
@@ -38,26 +37,6 @@ SESSION_PREFIX = "/sessions/{session_id:[^{}/]*}"
 ATTEMPT_PREFIX = "/rollout/{rollout_id:[^{}/]*}/attempt/{attempt_id:[^{}/]*}"
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 HEADER_MODE = "header"
-# The session-key routes that get a twin under SESSION_PREFIX (the models list also takes the
-# admin key, which names no episode).
-SCOPED_PATHS = frozenset(
-    {
-        "/v1/chat/completions",
-        "/chat/completions",
-        "/v1/responses",
-        "/responses",
-        "/v1/responses/{response_id}",
-        "/responses/{response_id}",
-        "/v1/messages",
-        "/v1/models",
-        "/models",
-        "/rl/set_reward",
-        "/rl/end_session",
-    }
-)
-_ADMIN_ALLOWED = frozenset({"/v1/models", "/models"})
-# Routes whose body `session_id` would otherwise win over the header (session_api.py).
-_BODY_SESSION_ID = frozenset({"/rl/set_reward", "/rl/end_session"})
 # Key digests whose mode this gateway has seen (a key's mode never changes).
 MAX_KNOWN_KEYS = 65536
 
@@ -169,10 +148,10 @@ def _body_session_id(raw: bytes) -> str:
     return named.strip() if isinstance(named, str) else ""
 
 
-def scoped(handler: Handler, path: str) -> Handler:
-    """`handler` behind a session named by the path: checks it, then sets X-Session-Id."""
-    admin_allowed = path in _ADMIN_ALLOWED
-    check_body = path in _BODY_SESSION_ID
+def scoped(route: Route) -> Handler:
+    """The route's handler behind a session named by the path: checks it, then sets
+    X-Session-Id."""
+    handler, admin_allowed, check_body = route.handler, route.admin_key, route.body_session_id
 
     async def scoped_handler(request: web.Request) -> web.StreamResponse:
         session_id = session_of(request.match_info)
@@ -192,17 +171,17 @@ def scoped(handler: Handler, path: str) -> Handler:
                 await _refuse(request, digest, error)
         return await handler(named)
 
-    scoped_handler.__doc__ = f"{path} with the session named by the URL path."
+    scoped_handler.__doc__ = f"{route.path} with the session named by the URL path."
     return scoped_handler
 
 
-def mount(app: web.Application) -> None:
-    """Adds a `/sessions/{session_id}` twin (and an Agent Lightning
-    `/rollout/{rollout_id}/attempt/{attempt_id}` twin) of every registered route in SCOPED_PATHS."""
+def mount(app: web.Application, routes: Iterable[Route]) -> None:
+    """Adds a `/sessions/{session_id}` twin and an Agent Lightning
+    `/rollout/{rollout_id}/attempt/{attempt_id}` twin of each route as its `twins` says."""
     app[KEY_MODES] = KeyModes()
-    for route in list(app.router.routes()):
-        path = route.resource.canonical if route.resource is not None else ""
-        if path in SCOPED_PATHS and route.method != "HEAD":
-            handler = scoped(route.handler, path)
-            for prefix in (SESSION_PREFIX, ATTEMPT_PREFIX):
-                app.router.add_route(route.method, prefix + path, handler)
+    for route in routes:
+        if route.twins is Twins.NONE:
+            continue
+        handler = scoped(route) if route.twins is Twins.SESSION else route.handler
+        for prefix in (SESSION_PREFIX, ATTEMPT_PREFIX):
+            app.router.add_route(route.method, prefix + route.path, handler)

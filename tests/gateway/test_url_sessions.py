@@ -9,8 +9,9 @@ from typing import Any
 import openai
 import pytest
 
-from services.gateway.app import build_app
-from services.gateway.url_sessions import ATTEMPT_PREFIX, SCOPED_PATHS, SESSION_PREFIX
+from services.gateway.app import PROTOCOLS, build_app
+from services.gateway.protocols import Twins, routes_of
+from services.gateway.url_sessions import ATTEMPT_PREFIX, SESSION_PREFIX
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings
 from tests.gateway.test_header_mode import issue, trajectories
 from tests.gateway.test_lifecycle import MODEL, Chain, ChainFactory, chain
@@ -186,6 +187,22 @@ async def test_keys_on_a_session_path_are_checked_as_on_the_plain_routes(
         assert status == 200 and [m["id"] for m in listed["data"]] == ["default", MODEL]
 
 
+# The session-key routes (the protocols in services/gateway/app.py declare them).
+SCOPED_PATHS = {
+    "/v1/chat/completions",
+    "/chat/completions",
+    "/v1/responses",
+    "/responses",
+    "/v1/responses/{response_id}",
+    "/responses/{response_id}",
+    "/v1/messages",
+    "/v1/models",
+    "/models",
+    "/rl/set_reward",
+    "/rl/end_session",
+}
+
+
 def test_every_session_key_route_has_a_twin_under_the_session_prefix() -> None:
     app = build_app(gateway_settings(router_addr="127.0.0.1:1", dataproxy_addr="127.0.0.1:1"))
     routes = {
@@ -195,10 +212,15 @@ def test_every_session_key_route_has_a_twin_under_the_session_prefix() -> None:
     }
     plain = {(method, path) for method, path in routes if path in SCOPED_PATHS}
     assert {path for _, path in plain} == SCOPED_PATHS
+    twinned = {(r.method, r.path) for r in routes_of(PROTOCOLS) if r.twins is Twins.SESSION}
+    assert twinned == plain
     for prefix in (SESSION_PREFIX, ATTEMPT_PREFIX):
         canonical = prefix.replace(":[^{}/]*", "")
         for method, path in plain:
             assert (method, canonical + path) in routes
+        # Nothing else is twinned but the count_tokens 404, which needs no key.
+        under = {(m, p.removeprefix(canonical)) for m, p in routes if p.startswith(canonical)}
+        assert under == plain | {("POST", "/v1/messages/count_tokens")}
 
 
 async def test_a_revoked_key_on_a_session_path_is_401_key_revoked_whatever_its_mode(
