@@ -30,7 +30,7 @@ from services.dataproxy.episode_state import (
     StorePart,
 )
 from services.dataproxy.publication import Publisher
-from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, KeyFields
+from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, KeyFields, KeyStatus
 from services.dataproxy.scripts import (
     BindEpisode,
     BindEpisodeCall,
@@ -278,7 +278,7 @@ class EpisodeBinder(StorePart):
                 KeyFields.KEY_ID: key_id,
                 KeyFields.TASK_ID: task_id.strip() or DEFAULT_TASK_ID,
                 KeyFields.MODE: HEADER_MODE,
-                KeyFields.STATE: "idle",
+                KeyFields.STATE: KeyStatus.IDLE,
                 KeyFields.EPISODE: "",
                 KeyFields.EPOCH: 0,
                 KeyFields.CREATED_AT: repr(time.time()),

@@ -9,7 +9,14 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.dataproxy.control import CapacityPolicy
-from services.dataproxy.redis_keys import EpisodeFields, KeyFields, RedisKeys, SessionFields
+from services.dataproxy.redis_keys import (
+    EpisodeFields,
+    EpisodeStatus,
+    KeyFields,
+    KeyStatus,
+    RedisKeys,
+    SessionFields,
+)
 from services.dataproxy.revocation import SessionKeyRevoker
 from services.dataproxy.scripts import Scripts
 from services.runtime.errors import (
@@ -37,7 +44,7 @@ NO_CAPACITY = (
     "no capacity for a new episode after waiting {waited:.0f} s: the trainer has not caught "
     "up (open and published episodes reached its staleness bound or grants). {what}"
 )
-HELD = "ended_awaiting_reward"
+HELD = EpisodeStatus.HELD
 # Key modes: one episode at a time started by start_session, or many named by X-Session-Id.
 KEY_MODE = "key"
 HEADER_MODE = "header"
@@ -235,7 +242,7 @@ class KeyLookup(StorePart):
         return KeyState(
             digest=digest,
             key_id=key_id.decode(),
-            active=state == b"active",
+            active=text_of(state) == KeyStatus.ACTIVE,
             episode=text_of(episode),
             epoch=int(epoch or 0),
             task_id=text_of(task_id),
@@ -277,7 +284,7 @@ class KeyLookup(StorePart):
             return None
         return replace(
             key,
-            active=state == b"active",
+            active=text_of(state) == EpisodeStatus.ACTIVE,
             episode=episode,
             epoch=int(epoch or 0),
             session_id=text_of(session_id),

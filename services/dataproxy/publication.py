@@ -22,7 +22,12 @@ from services.dataproxy.episode_state import (
     StorePart,
     session_name,
 )
-from services.dataproxy.redis_keys import ENDED_EPISODE_TTL_S, EpisodeFields, KeyFields
+from services.dataproxy.redis_keys import (
+    ENDED_EPISODE_TTL_S,
+    EpisodeFields,
+    EpisodeStatus,
+    KeyFields,
+)
 from services.dataproxy.scripts import ClaimDueCall, Publish, PublishCall, Published
 from services.dataproxy.summaries import RECENT_KEPT, trajectory_summary
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
@@ -109,9 +114,9 @@ class Publisher(StorePart):
         if state is None or time.time() - float(ended_at or 0) > END_RETRY_WINDOW_S:
             raise Conflict(f"session {session_id} has no active episode")
         return Publication(
-            status="held" if state == HELD.encode() else text_of(state),
+            status="held" if text_of(state) == HELD else text_of(state),
             session_id=session_id,
-            trajectory_id=text_of(trajectory_id) if state != b"empty" else "",
+            trajectory_id=text_of(trajectory_id) if text_of(state) != EpisodeStatus.EMPTY else "",
             stream_id=text_of(stream_id),
             interaction_count=int(turns or 0),
         )
@@ -160,7 +165,7 @@ class Publisher(StorePart):
             if self._should_hold(state, ep, turns, rewards):
                 hold_until = now + self._policy.late_reward_timeout_s
             data, stats, summary = b"", {"interactions": 0, "joined": 0}, b""
-            if turns and state in {"active", HELD} and not hold_until:
+            if turns and state in {EpisodeStatus.ACTIVE, HELD} and not hold_until:
                 data, stats, summary = self._encode(
                     key, ep, turns, rewards, end_reason=reason, now=now
                 )
@@ -209,7 +214,7 @@ class Publisher(StorePart):
                 continue
             if result.status in ENDED:
                 status = result.status.value
-                if self.on_ended is not None and state in {"active", HELD}:
+                if self.on_ended is not None and state in {EpisodeStatus.ACTIVE, HELD}:
                     # Counted once: an episode this call found already ended is a retry.
                     since = float(ep.get(EpisodeFields.ENDED_AT) or now) if state == HELD else now
                     self.on_ended(status, reason, max(0.0, time.time() - since))
@@ -226,7 +231,7 @@ class Publisher(StorePart):
     def _should_hold(
         self, state: str, ep: dict[str, bytes], turns: list[bytes], rewards: dict[bytes, bytes]
     ) -> bool:
-        if self._policy.late_reward_timeout_s <= 0 or state != "active" or not turns:
+        if self._policy.late_reward_timeout_s <= 0 or state != EpisodeStatus.ACTIVE or not turns:
             return False
         return ep.get(EpisodeFields.LAST_INTERACTION, b"") not in rewards
 
@@ -314,7 +319,7 @@ class Publisher(StorePart):
         state, epoch = await self._redis.hmget(
             self._keys.episode(key_id, episode), EpisodeFields.STATE, EpisodeFields.EPOCH
         )
-        if state != HELD.encode():
+        if text_of(state) != HELD:
             await self._redis.zrem(self._keys.awaiting_reward, member)
             return None
         held = KeyState(

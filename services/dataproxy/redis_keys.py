@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Final
 
@@ -181,7 +182,7 @@ class KeyFields:
     KEY_ID: Final = "key_id"
     TASK_ID: Final = "task_id"
     MODE: Final = "mode"  # "header" for a header-mode key; absent: per-episode
-    STATE: Final = "state"  # "active" | "idle"
+    STATE: Final = "state"  # KeyStatus
     EPISODE: Final = "episode"  # the active episode ("" between episodes)
     EPOCH: Final = "epoch"  # episodes bound so far
     HELD: Final = "held"  # the ended episode held for a late reward
@@ -195,13 +196,30 @@ class KeyFields:
     LAST_ENDED_AT: Final = "last_ended_at"
 
 
+class KeyStatus(enum.StrEnum):
+    """Values of a key's `KeyFields.STATE`."""
+
+    ACTIVE = "active"  # its episode is open
+    IDLE = "idle"  # between episodes
+
+
+class EpisodeStatus(enum.StrEnum):
+    """Values of an episode's `EpisodeFields.STATE` (the Lua scripts write the same)."""
+
+    ACTIVE = "active"
+    HELD = "ended_awaiting_reward"  # ended; published once its reward is set or it times out
+    PUBLISHED = "published"
+    EMPTY = "empty"  # ended without a turn: nothing to publish
+    REVOKED = "revoked"
+
+
 class EpisodeFields:
     """Fields of an episode's hash (`RedisKeys.episode`)."""
 
     SESSION_ID: Final = "session_id"
     TASK_ID: Final = "task_id"
     EPOCH: Final = "epoch"
-    STATE: Final = "state"  # active | ended_awaiting_reward | published | empty | revoked
+    STATE: Final = "state"  # EpisodeStatus
     TRAJECTORY_ID: Final = "trajectory_id"
     STARTED_AT: Final = "started_at"
     LAST_ACTIVE_AT: Final = "last_active_at"

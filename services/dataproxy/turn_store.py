@@ -21,7 +21,7 @@ from services.dataproxy.episode_state import (
     StorePart,
     session_name,
 )
-from services.dataproxy.redis_keys import KeyFields
+from services.dataproxy.redis_keys import KeyFields, KeyStatus
 from services.dataproxy.scripts import (
     AppendedTurn,
     AppendTurn,
@@ -149,7 +149,7 @@ class TurnStore(StorePart):
         (key_id, state, episode, epoch), weight_version = await pipe.execute()
         if key_id is None:
             raise await self._revoker.refusal(digest)
-        if state != b"active":
+        if text_of(state) != KeyStatus.ACTIVE:
             raise Unavailable(BETWEEN_EPISODES, code="episode_not_active", retry_after_s=1.0)
         return ActiveEpisode(
             digest=digest,
