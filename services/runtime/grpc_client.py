@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -22,8 +23,18 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 # A target listing several replicas ("ipv4:a:1,b:2") spreads calls and skips dead ones. One
 # address keeps pick_first: after a restart its first call reconnects at once, where
-# round_robin would fail calls fast until its reconnect backoff ends.
-_MULTI_TARGET_OPTIONS = (("grpc.lb_policy_name", "round_robin"),)
+# round_robin would fail calls fast until its reconnect backoff ends. With several, a call
+# made while no replica is ready (one restarted and still in its reconnect backoff, ≤ 2 s, as
+# the other stops: a rolling restart) waits for one, within its own deadline, instead of
+# failing UNAVAILABLE at once.
+_WAIT_FOR_READY = {
+    "methodConfig": [{"name": [{}], "waitForReady": True}],
+    "healthCheckConfig": {"serviceName": ""},
+}
+_MULTI_TARGET_OPTIONS = (
+    ("grpc.lb_policy_name", "round_robin"),
+    ("grpc.service_config", json.dumps(_WAIT_FOR_READY)),
+)
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
