@@ -40,18 +40,14 @@ _ERROR_TYPES = {
 }
 # What a tool message's content starts with when its tool_result said `is_error: true`.
 TOOL_ERROR_PREFIX = "Error: "
-# /v1/messages and what lies under it, at the top level or under a session path.
+# /v1/messages and what lies under it, at the top level or under a session path: the paths
+# whose errors take Anthropic's shape (messages.PROTOCOL).
 MESSAGES_PATH = re.compile(r"(/sessions/[^/]*|/rollout/[^/]*/attempt/[^/]*)?/v1/messages(/.*)?")
 
 
 def new_message_id() -> str:
     """An id of the form Anthropic uses: `msg_` + 24 random hex digits (96 bits)."""
     return "msg_" + secrets.token_hex(12)
-
-
-def is_messages_path(path: str) -> bool:
-    """True for paths whose errors take Anthropic's shape."""
-    return MESSAGES_PATH.fullmatch(path) is not None
 
 
 def error_type(status: int) -> str:

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from rollgate.stack import Stack
 from services.gateway.app import build_app
-from services.gateway.messages_translate import is_messages_path
+from services.gateway.messages_translate import MESSAGES_PATH
 from services.gateway.settings import GatewaySettings
 from services.runtime.secret import Secret
 from tests.end_to_end.test_lifecycle import published
@@ -193,7 +193,7 @@ def check_answer(
         error = parsed["error"]
         assert isinstance(error["message"], str) and error["message"].strip(), (what, body)
         assert isinstance(error["type"], str), (what, body)
-        if is_messages_path(pattern) and not unparseable(headers, error):
+        if MESSAGES_PATH.fullmatch(pattern) and not unparseable(headers, error):
             # Anthropic's shape: {"type": "error", "error": {type, message[, code]}}.
             assert parsed.get("type") == "error", (what, body)
         else:

@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from services.gateway.messages_translate import (
+    MESSAGES_PATH,
     TOOL_ERROR_PREFIX,
     MessageStream,
     error_body,
     error_event,
-    is_messages_path,
     message_from_completion,
     new_message_id,
     parse_request,
@@ -504,9 +504,9 @@ def test_which_paths_answer_in_anthropics_shape() -> None:
         "/sessions/s-1/v1/messages",
         "/rollout/ro-1/attempt/at-1/v1/messages",
     ):
-        assert is_messages_path(path), path
+        assert MESSAGES_PATH.fullmatch(path), path
     for path in ("/v1/chat/completions", "/v1/messagesx", "/messages", "/sessions/s/v1/models"):
-        assert not is_messages_path(path), path
+        assert not MESSAGES_PATH.fullmatch(path), path
 
 
 def test_message_ids_look_like_anthropics_and_do_not_repeat() -> None:
