@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import functools
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -282,17 +283,40 @@ class GrpcServer:
 
 
 async def wait_for_stop_signal() -> None:
-    """Returns on SIGTERM or SIGINT."""
+    """Returns on SIGTERM or SIGINT; on SIGUSR1 prints every task's stack to stderr."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     try:
         await stop.wait()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+
+
+def dump_tasks(file: TextIO | None = None) -> None:
+    """Every asyncio task of the running loop with where it waits (`kill -USR1 <pid>`: what a
+    process that went quiet is waiting for). Code locations only, no values."""
+    out = file or sys.stderr
+    tasks = asyncio.all_tasks()
+    print(f"--- {len(tasks)} asyncio tasks ---", file=out)
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        print(f"task {task.get_name()}:", file=out)
+        # The chain of awaits down to what it waits on (a task's own stack stops at its
+        # outermost coroutine).
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                print(f"  waiting on {type(awaited).__qualname__}", file=out)
+                break
+            code = frame.f_code
+            print(f"  {code.co_filename}:{frame.f_lineno} in {code.co_name}", file=out)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    print("--- end of tasks ---", file=out, flush=True)
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -96,18 +96,29 @@ class PipelinedScripts:
 
     def _flush(self) -> None:
         if self._connection is not None:
-            self._send(self._connection)
+            with contextlib.suppress(RedisConnectionError):
+                # A connection Redis closed while idle refuses the write: the calls stay
+                # queued, and the worker finds it lost and sends them on a new one.
+                self._send(self._connection)
         if self._queued or self._sent:
             self._ensure_worker()
 
     def _send(self, connection: AbstractConnection) -> None:
+        """Writes what is queued; on a connection that cannot take it, RedisConnectionError
+        with every call still queued (none is ever dropped unanswered)."""
         calls = [c for c in self._queued if not c.answer.done()]
-        self._queued = []
-        if calls:
-            writer = connection._writer
-            assert writer is not None, "a connected connection has a writer"
+        if not calls:
+            self._queued = []
+            return
+        writer = connection._writer
+        if writer is None or writer.transport.is_closing():
+            raise RedisConnectionError("the Redis connection was lost")
+        try:
             writer.writelines(connection.pack_commands(c.command for c in calls))
-            self._sent.extend(calls)
+        except (OSError, RuntimeError) as err:  # uvloop: a closed transport raises
+            raise RedisConnectionError("the Redis connection was lost") from err
+        self._queued = []
+        self._sent.extend(calls)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or self._worker.done():
@@ -116,7 +127,8 @@ class PipelinedScripts:
     async def _work(self) -> None:
         while self._sent or self._queued:
             try:
-                if self._connection is None:
+                connection = self._connection
+                if connection is None:
                     connection = self._pool.connection_class(**self._pool.connection_kwargs)
                     try:
                         # Retries as the client's settings say (open_redis: reconnects).
@@ -125,9 +137,10 @@ class PipelinedScripts:
                         await self._lost(err, retry=False)
                         continue
                     self._connection = connection
+                if self._queued:
                     self._send(connection)
-                    continue
-                await self._read_one(self._connection)
+                if self._sent:
+                    await self._read_one(connection)
             except RedisConnectionError as err:
                 await self._lost(err, retry=True)
             except Exception as err:  # a timeout, a protocol error: nothing is retried

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import urllib.parse
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollgate.stack import GRPC_SERVICES, Stack
 from services.runtime.keys import key_digest
 from tests.end_to_end.test_walkthrough import MODEL, chat_body, request, run_example, stderr_vars
+from tests.harness.poll import eventually_sync
 from tests.harness.processes import stack_config
 
 
@@ -112,3 +114,25 @@ def _worker_of(stack: Stack, key: str) -> str:
         client.close()
     assert worker, "the router recorded no affinity for this key"
     return str(worker.decode())
+
+
+def test_sigusr1_prints_every_task_and_the_service_serves_on(slow_stack: Stack) -> None:
+    # What a process that went quiet waits for (docs/operations.md, "A service went quiet").
+    for name, service in slow_stack.services.items():
+        if service.kind not in (*GRPC_SERVICES, "gateway"):
+            continue
+        service.signal(signal.SIGUSR1)
+        dump = eventually_sync(
+            lambda service=service: _task_dump(service.log_path.read_text(errors="replace")),
+            timeout_s=20.0,
+            what=f"{name}'s task dump",
+        )
+        # Its main task waits for the stop signal, with the chain of awaits down to it.
+        assert "in wait_for_stop_signal" in dump, dump
+        assert service.alive and service.healthy(), name
+
+
+def _task_dump(log: str) -> str | None:
+    start = log.rfind("asyncio tasks ---")
+    end = log.find("--- end of tasks ---", start)
+    return log[start:end] if start >= 0 and end >= 0 else None

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
+import uvloop
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -17,6 +18,7 @@ from redis.exceptions import ResponseError
 from rollgate.redis_server import free_port
 from services.runtime.redis_pipeline import PipelinedScripts
 from services.runtime.redis_scripts import LuaScript
+from tests.harness.poll import eventually
 
 # Sets KEYS[1] to ARGV[1] and answers it; ARGV[1] == "bad" is a script error.
 SOURCE = """
@@ -149,3 +151,38 @@ async def test_a_lost_connection_is_opened_again(
     killed = await counting.client_kill_filter(_type="normal", skipme=True)
     assert killed >= 1
     assert await SCRIPT.run(scripts, [f"{key_prefix}b"], ["2"]) == b"2"
+
+
+async def _after_an_idle_close(redis_url: str, key_prefix: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    pipelined = PipelinedScripts(client)
+    try:
+        await client.script_load(SOURCE)
+        assert await SCRIPT.run(pipelined, [f"{key_prefix}a"], ["1"]) == b"1"
+        # The one connection it holds is closed while nothing is outstanding: as after Redis
+        # went away, where a write fails and the loop closes the transport, and the next
+        # call is written to a closed transport.
+        held = pipelined._connection
+        assert held is not None and held._writer is not None
+        held._writer.transport.abort()
+        await eventually(held._writer.transport.is_closing, timeout_s=10.0, what="closed")
+        async with asyncio.timeout(10.0):  # before the fix: never answered
+            replies = await asyncio.gather(
+                *(SCRIPT.run(pipelined, [f"{key_prefix}b{i}"], [str(i)]) for i in range(3))
+            )
+        assert replies == [b"0", b"1", b"2"]
+        assert await client.get(f"{key_prefix}b2") == b"2"
+    finally:
+        await pipelined.aclose()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_calls_after_the_idle_connection_closed_are_sent_on_a_new_one(
+    redis_url: str, key_prefix: str, loop: str
+) -> None:
+    # uvloop (what the services run) refuses a write to a closed transport with RuntimeError;
+    # the calls of that write were lost and their callers waited forever (a Redis restart
+    # froze the ledger: tests/end_to_end/test_redis_outage.py).
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    run(_after_an_idle_close(redis_url, key_prefix))
