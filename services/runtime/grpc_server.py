@@ -29,6 +29,11 @@ from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
+# A stopping server keeps serving, health NOT_SERVING, until no RPC came in for QUIET_S (its
+# clients with health checking moved to another replica), at most STOP_NOTICE_S: an RPC that
+# arrives once the server stops is failed CANCELLED unserved (grpc/grpc#41785).
+QUIET_S = 0.25
+STOP_NOTICE_S = 1.5
 # 64 MiB: trajectories and long prompts exceed gRPC's default 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A backstop above the gateway's own identifier limit: hops compose identifiers
@@ -56,6 +61,9 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # 
 
     def __init__(self, service: str) -> None:
         self._service = service
+        # When the last RPC (health checks aside) came in: a stopping server waits for its
+        # clients to go quiet (`GrpcServer.stop`).
+        self.last_call_at = time.monotonic()
 
     async def intercept_service(
         self,
@@ -66,6 +74,7 @@ class _ServiceInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # 
         method = handler_call_details.method
         if handler is None or method.startswith("/grpc.health"):
             return handler
+        self.last_call_at = time.monotonic()
         kind = _kind(handler)
         if not kind:
             return handler
@@ -230,9 +239,9 @@ class GrpcServer:
 
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
+        self._calls = _ServiceInterceptor(spec.name)
         self.server = grpc.aio.server(
-            interceptors=[*spec.interceptors, _ServiceInterceptor(spec.name)],
-            options=SERVER_OPTIONS,
+            interceptors=[*spec.interceptors, self._calls], options=SERVER_OPTIONS
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -269,17 +278,28 @@ class GrpcServer:
         log.info("service_started", name=self.spec.name, port=self.port)
 
     async def stop(self) -> None:
-        """Health → NOT_SERVING, refuse new RPCs, let in-flight ones finish within the grace."""
+        """Health → NOT_SERVING, drains, serve until the clients went quiet (≤ STOP_NOTICE_S),
+        then refuse new RPCs and let in-flight ones finish within the grace."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
         drains, self._drains = self._drains, []
         for drain in drains:
             await drain(self.spec.grace_s)
+        await self._until_quiet()
         await self.server.stop(self.spec.grace_s)
         log.info("service_stopped", name=self.spec.name)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    async def _until_quiet(self) -> None:
+        """Returns once no RPC came in for QUIET_S, or after STOP_NOTICE_S."""
+        deadline = time.monotonic() + STOP_NOTICE_S
+        while (now := time.monotonic()) < deadline:
+            quiet_for = now - self._calls.last_call_at
+            if quiet_for >= QUIET_S:
+                return
+            await asyncio.sleep(min(QUIET_S - quiet_for, deadline - now))
 
 
 async def wait_for_stop_signal() -> None:

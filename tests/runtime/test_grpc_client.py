@@ -100,3 +100,19 @@ async def test_a_call_made_while_no_replica_serves_waits_for_one_within_its_dead
         await asyncio.sleep(0)  # the call is made before "a" serves
         await a.health.set("", health_pb2.HealthCheckResponse.SERVING)
         assert await waiting == "a"
+
+
+async def test_a_stopping_server_serves_the_calls_that_still_come_until_they_stop() -> None:
+    # A client that has not seen NOT_SERVING yet (or has no other replica) still calls; once
+    # the server stops, such a call would fail CANCELLED or UNAVAILABLE unserved.
+    async with _replica("a") as a, open_channel(f"127.0.0.1:{a.port}") as channel:
+        assert await _route(channel) == "a"
+        stopping = asyncio.create_task(a.stop())
+        await eventually(lambda: a.draining, timeout_s=5, what="the stop begun")
+        for _ in range(3):
+            assert await _route(channel) == "a"
+        assert not stopping.done()
+        await asyncio.wait_for(stopping, timeout=5)  # quiet now: it stops
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await _route(channel, deadline_s=1.0)
+            raise AssertionError("a stopped server answered")
