@@ -179,6 +179,12 @@ class LedgerStreams:
             code, message = error.grpc_status.name, error.message
         answer.id = request.id
         stream.answers.put_nowait(answer)
+        current = asyncio.current_task()
+        if self._closing and not stream.admitted and all(op is current for op in stream.ops):
+            # Shutting down and nothing of this stream's is left (a stream opened after the
+            # drain began, or one whose turns all ended): it ends now, and the gateway takes
+            # whatever else it has to another replica, so the stop need not wait it out.
+            stream.answers.put_nowait(None)
         if self._on_op is not None:
             self._on_op(kind, code, time.perf_counter() - started, message)
         self._check_drained()

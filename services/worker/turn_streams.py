@@ -186,6 +186,10 @@ class TurnStreams:
                         turn.task.cancel()
                 elif kind == "credit_bytes":
                     turn.grant(op.credit_bytes)
+            if self._closing and not stream.turns:
+                # Shutting down with nothing running here (its starts were refused): it ends
+                # now, so the stop need not wait out a stream opened after it began.
+                stream.end()
         stream.read_all = True
         if not stream.turns:
             stream.end()

@@ -13,6 +13,7 @@ import pytest
 from protos import dataproxy_pb2, dataproxy_pb2_grpc
 from services.gateway.ledger import Admitted, LedgerClient, Replica
 from services.gateway.relay import Chunks, Done
+from services.runtime import grpc_server
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
 from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest
@@ -286,3 +287,34 @@ async def test_with_one_replica_a_stopping_dataproxy_answers_503_with_retry_afte
     finally:
         await stopping
         await gateway.close()
+
+
+@pytest.fixture
+async def long_grace(redis_url: str, key_prefix: str) -> AsyncIterator[Chain]:
+    async with running_dataproxy_chain(
+        redis_url, key_prefix, chain_type=Chain, grace_s=20.0
+    ) as running:
+        yield running
+
+
+async def test_a_stream_opened_while_the_dataproxy_stops_does_not_hold_its_stop(
+    long_grace: Chain, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stopping server serves until its clients went quiet; long here, so the late stream
+    # surely opens in that window, after the drain ended the streams there were.
+    monkeypatch.setattr(grpc_server, "QUIET_S", 3.0)
+    monkeypatch.setattr(grpc_server, "STOP_NOTICE_S", 6.0)
+    chain = long_grace
+    digest = await chain.start()
+    stopping = asyncio.create_task(chain.dataproxy_server.stop())
+    late = fresh_ledger(chain)  # another gateway's
+    try:
+        await eventually(lambda: chain.dataproxy_server.draining)
+        with pytest.raises(Unavailable, match="shutting down"):
+            await chain.begin(late, digest)
+        # The late stream ended after its refused begin: the stop does not wait it out for
+        # the 20 s grace (before, it did, and then cut it).
+        async with asyncio.timeout(12):
+            await stopping
+    finally:
+        await late.close()

@@ -160,3 +160,22 @@ async def test_an_unreachable_worker_fails_the_turn_as_not_started() -> None:
         await turns.close()
     assert caught.value.code == "worker_unavailable"
     assert not turn.received
+
+
+async def test_a_stream_opened_after_a_worker_began_stopping_ends_after_its_refusal() -> None:
+    # Else the worker's stop waits it out for its whole grace period, then cuts it.
+    async with mock_and_worker() as (_, worker), ChannelPool() as pool:
+        streams = worker.streams
+        assert streams is not None
+        await streams.close(10.0)  # nothing running: drained at once, no stream left
+        turns = WorkerTurns(pool)  # a gateway that opens its stream now
+        try:
+            refused = turns.start(
+                worker.address, request("late", stream=False), stream=False, timeout_s=10
+            )
+            with pytest.raises(RollgateError) as caught:
+                await refused.events()
+            assert caught.value.code == "worker_stopping"
+            await eventually(lambda: not streams._streams, what="the late stream ended")
+        finally:
+            await turns.close()
