@@ -26,7 +26,7 @@ from services.runtime.errors import (
 )
 from services.runtime.logs import get_logger
 from services.runtime.redis_scripts import text_of
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys
 
 log = get_logger(__name__)
 
@@ -189,7 +189,7 @@ class StoreContext:
     redis: aioredis.Redis
     keys: RedisKeys
     scripts: Scripts
-    admin_key: Secret
+    admin_key: Keys
     refresh_lock_s: float
     policy: EpisodePolicy
     revoker: SessionKeyRevoker

@@ -14,7 +14,7 @@ from services.dataproxy.access_keys import AccessKeyInfo, AccessKeyStore
 from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.revocation import KeyRevocation, SessionKeyRevoker
 from services.dataproxy.trainer_auth import TrainerAuth
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -36,7 +36,7 @@ class KeysServicer(keys_pb2_grpc.KeysServicer):
     """
 
     def __init__(
-        self, *, access: AccessKeyStore, revocation: KeyRevocation, admin_key: Secret
+        self, *, access: AccessKeyStore, revocation: KeyRevocation, admin_key: Keys
     ) -> None:
         self._access = access
         self._revocation = revocation
@@ -80,7 +80,7 @@ class KeysServicer(keys_pb2_grpc.KeysServicer):
         )
 
 
-def build_keys(*, redis: aioredis.Redis, prefix: str, admin_key: Secret) -> KeysServicer:
+def build_keys(*, redis: aioredis.Redis, prefix: str, admin_key: Keys) -> KeysServicer:
     """The Keys servicer over one Redis client and key prefix."""
     keys = RedisKeys(prefix)
     access = AccessKeyStore(redis=redis, keys=keys)

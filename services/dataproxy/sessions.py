@@ -35,7 +35,7 @@ from services.dataproxy.rewards import Rewards
 from services.dataproxy.scripts import Scripts
 from services.dataproxy.turn_store import TurnStore
 from services.runtime.redis_pipeline import PipelinedScripts
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys
 
 __all__ = [
     "ActiveEpisode",
@@ -58,7 +58,7 @@ class SessionStore:
         redis: aioredis.Redis,
         keys: RedisKeys,
         scripts: Scripts,
-        admin_key: Secret,
+        admin_key: Keys,
         refresh_lock_s: float,
         policy: EpisodePolicy | None = None,
         pipelined: PipelinedScripts | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Self
 
-from services.runtime.secret import NO_SECRET, Secret
+from services.runtime.secret import Keys
 from services.runtime.settings import (
     DEFAULT_REDIS_URL,
     ServiceSettings,
@@ -15,6 +15,7 @@ from services.runtime.settings import (
 )
 
 DEFAULT_PORT = 50052
+NO_KEYS = Keys()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,10 +25,11 @@ class DataProxySettings(ServiceSettings):
     port: int = DEFAULT_PORT
     redis_url: str = DEFAULT_REDIS_URL
     redis_prefix: str = "rg:"
-    # Verifies the Trainer service's callers; required.
-    admin_key: Secret = NO_SECRET
-    # A second key that may call the Trainer service (optional).
-    trainer_key: Secret = NO_SECRET
+    # Verifies the Trainer service's callers; required. Several keys (comma-separated in
+    # the setting) are all accepted; the first is the current one.
+    admin_key: Keys = NO_KEYS
+    # More keys that may call the Trainer service (optional; comma-separated, all accepted).
+    trainer_key: Keys = NO_KEYS
     # Deadline for one turn at the worker, streaming included.
     turn_timeout_s: float = 600.0
     # How long a start or refresh waits for capacity before 429 (the key stays valid).
@@ -47,6 +49,11 @@ class DataProxySettings(ServiceSettings):
     # How often each replica's reaper looks for due episodes.
     reaper_interval_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        # One Secret (as tests and embedders pass it) is one key.
+        object.__setattr__(self, "admin_key", Keys.of(self.admin_key))
+        object.__setattr__(self, "trainer_key", Keys.of(self.trainer_key))
+
     @property
     def refresh_lock_s(self) -> float:
         """How long a refresh marker lives if its holder dies mid-refresh."""
@@ -55,7 +62,10 @@ class DataProxySettings(ServiceSettings):
     @classmethod
     def load(cls, src: Sources, *, host: str | None = None, port: int | None = None) -> Self:
         """Settings from the sources (and command-line host/port)."""
-        admin_key = src.text("ROLLGATE_ADMIN_KEY", file="admin_key")
+        admin_key = Keys.parse(
+            src.text("ROLLGATE_ADMIN_KEY", file="admin_key"),
+            "ROLLGATE_ADMIN_KEY (admin_key in the file)",
+        )
         if not admin_key:
             raise ValueError(
                 "ROLLGATE_ADMIN_KEY is not set: the dataproxy needs the admin key to "
@@ -77,8 +87,11 @@ class DataProxySettings(ServiceSettings):
                 src, service="dataproxy", host=host, port=port, default_port=DEFAULT_PORT
             ),
             **redis_settings(src),
-            admin_key=Secret(admin_key),
-            trainer_key=Secret(src.text("ROLLGATE_TRAINER_KEY", file="dataproxy.trainer_key")),
+            admin_key=admin_key,
+            trainer_key=Keys.parse(
+                src.text("ROLLGATE_TRAINER_KEY", file="dataproxy.trainer_key"),
+                "ROLLGATE_TRAINER_KEY (dataproxy.trainer_key in the file)",
+            ),
             turn_timeout_s=src.number(
                 "ROLLGATE_TURN_TIMEOUT_S", 600.0, file="dataproxy.turn_timeout_s"
             ),

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.runtime.errors import Unauthenticated
 from services.runtime.keys import access_key_kind, key_digest
-from services.runtime.secret import Secret, matches_any
+from services.runtime.secret import Keys, Secret, matches_any
 
 _MISSING = (
     "the Trainer service needs the admin key (or the trainer key) as `authorization: Bearer …` "
@@ -30,11 +30,12 @@ class TrainerAuth:
     def __init__(
         self,
         *,
-        admin_key: Secret,
-        trainer_key: Secret | None = None,
+        admin_key: Keys | Secret,
+        trainer_key: Keys | Secret | None = None,
         lookup: AccessLookup | None = None,
     ) -> None:
-        self._keys = tuple(key for key in (admin_key, trainer_key) if key)
+        # Every configured key is accepted (a rotation holds the old and the new one).
+        self._keys = (*Keys.of(admin_key), *(Keys.of(trainer_key) if trainer_key else ()))
         self._lookup = lookup
 
     async def check(self, metadata: Iterable[Any] | None, *, what: str = _MISSING) -> str:

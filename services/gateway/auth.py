@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from services.runtime.errors import Unauthenticated
 from services.runtime.keys import access_key_kind, key_digest, looks_like_session_key
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys
 
 # digest → "admin" | "trainer" | "revoked" | "": what the dataproxy's Keys service knows of an
 # issued admin or trainer key (held there only as a digest).
@@ -55,7 +55,7 @@ def read_key(headers: Mapping[str, str]) -> str | None:
     return api_key or None
 
 
-def classify(key: str, admin_key: Secret) -> KeyKind:
+def classify(key: str, admin_key: Keys) -> KeyKind:
     """ADMIN for the configured admin key, SESSION for the `sk-sess-` shape, ISSUED for the
     `sk-admin-` / `sk-trainer-` shapes, OTHER for anything else."""
     if admin_key.matches(key):
@@ -67,7 +67,7 @@ def classify(key: str, admin_key: Secret) -> KeyKind:
     return KeyKind.OTHER
 
 
-def require_session_key(headers: Mapping[str, str], admin_key: Secret) -> str:
+def require_session_key(headers: Mapping[str, str], admin_key: Keys) -> str:
     """The session key of the request, or Unauthenticated saying which key to send."""
     key = read_key(headers)
     if key is None:
@@ -83,7 +83,7 @@ def require_session_key(headers: Mapping[str, str], admin_key: Secret) -> str:
 
 
 async def require_admin_key(
-    headers: Mapping[str, str], admin_key: Secret, lookup: AccessLookup
+    headers: Mapping[str, str], admin_key: Keys, lookup: AccessLookup
 ) -> None:
     """Passes for the configured admin key (constant time) and for issued admin keys (by
     digest: one lookup, only for keys of that shape)."""
@@ -101,7 +101,7 @@ async def require_admin_key(
 
 
 async def require_any_key(
-    headers: Mapping[str, str], admin_key: Secret, lookup: AccessLookup
+    headers: Mapping[str, str], admin_key: Keys, lookup: AccessLookup
 ) -> tuple[KeyKind, str]:
     """An admin key (ADMIN, configured or issued) or a session-shaped key (SESSION: the caller
     checks that the dataproxy knows it), with its kind."""

@@ -299,8 +299,8 @@ async def _authorize(request: web.Request) -> ConsoleSession | None:
 def _refuse_keys_in_url(request: web.Request) -> None:
     """A key in a query string is refused before anything else reads it."""
     text = request.query_string
-    admin = request.app[SETTINGS].admin_key.reveal()
-    if (admin and admin in text) or any(
+    configured = request.app[SETTINGS].admin_key
+    if any(key.reveal() in text for key in configured) or any(
         shape in text for shape in ("sk-sess-", "sk-admin-", "sk-trainer-")
     ):
         raise InvalidRequest(NO_KEY_IN_URLS, code="key_in_url")

@@ -3,9 +3,11 @@
 The operator logs in once with an admin key — the configured one or one issued by
 `POST /rl/keys` — POSTed in a form body, never in a URL. The cookie holds only who logged in
 (`sub`: "configured", or the SHA-256 digest of the issued key, never a key), when, and until
-when, signed with HMAC-SHA256 under a key derived from the configured admin key. Every replica
-holds that key, so any replica accepts the cookie without shared state; changing the
-configured admin key ends every console session, and revoking an issued admin key ends the
+when, signed with HMAC-SHA256 under a key derived from the current configured admin key (the first
+of `ROLLGATE_ADMIN_KEY=new,old`) and accepted when it is signed under any of them. Every
+replica holds those keys, so any replica accepts the cookie without shared state, also while
+a rotation is rolled out (old -> old,new -> new,old -> new); dropping a configured admin key
+ends the console sessions signed under it, and revoking an issued admin key ends the
 sessions it opened (the gateway asks the Keys service, as for any issued key).
 """
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys, Secret
 
 COOKIE_NAME = "rollgate_console"
 COOKIE_PATH = "/console"
@@ -55,12 +57,11 @@ class CookieRefused(Exception):
 class ConsoleCookies:
     """Issues and checks console cookies, signed under the configured admin key."""
 
-    def __init__(self, admin_key: Secret, *, session_s: float, max_login_s: float) -> None:
-        derived = hmac.new(admin_key.reveal().encode(), _DERIVE_LABEL, hashlib.sha256).digest()
-        self._key = Secret(derived.hex())
-        # A one-way tag of the signing key: a cookie signed under an older configured key is
-        # told apart from a forged one (both are refused).
-        self._kid = hmac.new(derived, b"kid", hashlib.sha256).hexdigest()[:16]
+    def __init__(self, admin_key: Keys | Secret, *, session_s: float, max_login_s: float) -> None:
+        # One signing key per configured admin key, by kid: the first signs, any verifies.
+        self._keys = dict(_signing_key(key) for key in Keys.of(admin_key))
+        self._kid = next(iter(self._keys))
+        self._key = self._keys[self._kid]
         self.session_s = int(session_s)
         self.max_login_s = int(max_login_s)
 
@@ -84,9 +85,10 @@ class ConsoleCookies:
             raise CookieRefused("malformed") from None
         if not isinstance(claims, dict):
             raise CookieRefused("malformed")
-        if not hmac.compare_digest(self._sign(payload), signature):
-            if claims.get("kid") != self._kid:
-                raise CookieRefused("signed under another admin key")
+        key = self._keys.get(str(claims.get("kid", "")))
+        if key is None:
+            raise CookieRefused("signed under another admin key")
+        if not hmac.compare_digest(_sign(key, payload), signature):
             raise CookieRefused("bad signature")
         try:
             session = ConsoleSession(
@@ -123,7 +125,19 @@ class ConsoleCookies:
         return f"{VERSION}.{_b64(payload)}.{_b64(self._sign(payload))}"
 
     def _sign(self, payload: bytes) -> bytes:
-        return hmac.new(self._key.reveal().encode(), payload, hashlib.sha256).digest()
+        return _sign(self._key, payload)
+
+
+def _signing_key(admin_key: Secret) -> tuple[str, Secret]:
+    """The cookie signing key derived from one admin key, and its kid: a one-way tag, so a
+    cookie signed under a key no longer configured is told apart from a forged one (both
+    are refused)."""
+    derived = hmac.new(admin_key.reveal().encode(), _DERIVE_LABEL, hashlib.sha256).digest()
+    return hmac.new(derived, b"kid", hashlib.sha256).hexdigest()[:16], Secret(derived.hex())
+
+
+def _sign(key: Secret, payload: bytes) -> bytes:
+    return hmac.new(key.reveal().encode(), payload, hashlib.sha256).digest()
 
 
 def cookie_attributes(*, max_age_s: int, secure: bool) -> Mapping[str, str | int | bool]:

@@ -29,8 +29,8 @@ R = TypeVar("R")
 
 ENV_ADMIN_KEY_MESSAGE = (
     "this is the admin key from ROLLGATE_ADMIN_KEY (configuration, not issued here): it cannot "
-    "be revoked through the API; set a new ROLLGATE_ADMIN_KEY and restart the gateways and "
-    "dataproxies (docs/deploy.md, Rotating keys)"
+    "be revoked through the API; rotate it in the configuration (ROLLGATE_ADMIN_KEY=new,old, "
+    "then new: docs/deploy.md, Rotating keys)"
 )
 
 

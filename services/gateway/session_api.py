@@ -22,7 +22,7 @@ from services.gateway.protocols import Protocol, Route, Twins
 from services.runtime import tracing
 from services.runtime.errors import InvalidRequest, check_identifier, from_rpc_error
 from services.runtime.keys import key_digest, looks_like_session_key
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys
 
 # As the dataproxy allows (services/dataproxy/sessions.py MAX_GROUP_SIZE).
 MAX_GROUP_SIZE = 1024
@@ -77,7 +77,7 @@ def _group_size(body: dict[str, Any]) -> int:
     return value
 
 
-def parse_start_session(raw: bytes, admin_key: Secret) -> StartSessionCall:
+def parse_start_session(raw: bytes, admin_key: Keys) -> StartSessionCall:
     """`{task_id?, api_key?, group_size?}`; refuses the admin key as a session key."""
     body = _json_object(raw)
     task_id = _optional_str(body, "task_id")

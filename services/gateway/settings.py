@@ -6,21 +6,24 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from services.gateway.ws_protocol import DEFAULT_SYSTEM_PROMPT
-from services.runtime.secret import Secret
+from services.runtime.secret import Keys
 from services.runtime.settings import ServiceSettings, Sources, common_settings, positive
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # start_session waits the dataproxy's refresh timeout plus this much (publication, hops).
 START_SESSION_MARGIN_S = 10.0
 DEFAULT_PORT = 8080
+ADMIN_SETTING = "ROLLGATE_ADMIN_KEY (admin_key in the file)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GatewaySettings(ServiceSettings):
     """Everything the gateway needs to know at start-up."""
 
-    # Authenticates /rl/start_session (and /v1/models); required, compared in constant time.
-    admin_key: Secret
+    # Authenticates /rl/start_session, the console, /rl/keys ...; required, compared in
+    # constant time. Several keys (`ROLLGATE_ADMIN_KEY=new,old`) are all accepted; the first
+    # signs console cookies and goes on the gateway's own calls to the dataproxy.
+    admin_key: Keys
     port: int = DEFAULT_PORT
     router_addr: str = "127.0.0.1:50051"
     dataproxy_addr: str = "127.0.0.1:50052"
@@ -65,10 +68,14 @@ class GatewaySettings(ServiceSettings):
     max_header_bytes: int = 8190
     max_headers: int = 128
 
+    def __post_init__(self) -> None:
+        # One Secret (as tests and embedders pass it) is one key.
+        object.__setattr__(self, "admin_key", Keys.of(self.admin_key))
+
     @classmethod
     def load(cls, src: Sources, *, host: str | None = None, port: int | None = None) -> Self:
         """Settings from the sources (and command-line host/port)."""
-        admin_key = src.text("ROLLGATE_ADMIN_KEY", file="admin_key")
+        admin_key = Keys.parse(src.text("ROLLGATE_ADMIN_KEY", file="admin_key"), ADMIN_SETTING)
         if not admin_key:
             raise ValueError(
                 "ROLLGATE_ADMIN_KEY is not set: the gateway needs the admin key to authenticate "
@@ -82,7 +89,7 @@ class GatewaySettings(ServiceSettings):
             **common_settings(
                 src, service="gateway", host=host, port=port, default_port=DEFAULT_PORT
             ),
-            admin_key=Secret(admin_key),
+            admin_key=admin_key,
             console_session_s=src.positive("ROLLGATE_CONSOLE_SESSION_S", 900.0),
             console_max_login_s=src.positive("ROLLGATE_CONSOLE_MAX_LOGIN_S", 12 * 3600.0),
             console_login_failures_per_min=_at_least_one(

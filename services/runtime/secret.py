@@ -84,6 +84,54 @@ def matches_any(secrets: Iterable[Secret], candidate: str | bytes) -> bool:
     return any(results)
 
 
+class Keys(tuple[Secret, ...]):
+    """The keys one key setting holds (`ROLLGATE_ADMIN_KEY=new,old`): the first is the
+    current one, which rollgate itself sends and signs with; every one is accepted, so a
+    rotation is add the new key, move clients, remove the old one. Each is a masked Secret."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, value: Secret | Keys) -> Keys:
+        """`value` as Keys (one Secret is one key, an empty one none)."""
+        if isinstance(value, Keys):
+            return value
+        return cls((value,) if value else ())
+
+    @classmethod
+    def parse(cls, raw: str, setting: str) -> Keys:
+        """The keys of a comma-separated setting; ValueError naming the setting (never a key)
+        when an entry is empty."""
+        if not raw.strip():
+            return cls()
+        entries = [entry.strip() for entry in raw.split(",")]
+        if not all(entries):
+            raise ValueError(
+                f"{setting} has an empty entry: separate several keys with one comma each "
+                "(the first is the current key, the others are still accepted)"
+            )
+        return cls(Secret(entry) for entry in entries)
+
+    @property
+    def current(self) -> Secret:
+        """The key rollgate sends and signs with (the first)."""
+        return self[0] if self else NO_SECRET
+
+    def reveal(self) -> str:
+        """The current key's value; call it only where the key must leave the process."""
+        return self.current.reveal()
+
+    def matches(self, candidate: str | bytes) -> bool:
+        """True if `candidate` is one of the keys (constant time, all compared)."""
+        return matches_any(self, candidate)
+
+    def __repr__(self) -> str:
+        return f"Keys({len(self)} x {MASK!r})"
+
+    def __str__(self) -> str:
+        return ",".join(MASK for _ in self)
+
+
 def secrets_in(settings: Any) -> tuple[Secret, ...]:
     """Every Secret a settings object holds (fields, and tuples or lists of them)."""
     found: list[Secret] = []

@@ -60,3 +60,17 @@ def test_the_gateway_waits_for_start_session_longer_than_the_refresh_timeout() -
     settings = GatewaySettings.from_env(BASE | {"ROLLGATE_REFRESH_TIMEOUT_S": "200"})
     assert settings.start_session_timeout_s == 200.0 + START_SESSION_MARGIN_S
     assert GatewaySettings.from_env(BASE).start_session_timeout_s == 120.0 + START_SESSION_MARGIN_S
+
+
+async def test_every_configured_admin_and_trainer_key_opens_the_trainer_service() -> None:
+    from services.dataproxy.trainer_auth import TrainerAuth
+    from services.runtime.errors import Unauthenticated
+
+    settings = DataProxySettings.from_env(
+        {"ROLLGATE_ADMIN_KEY": "a-new,a-old", "ROLLGATE_TRAINER_KEY": "t-new,t-old"}
+    )
+    auth = TrainerAuth(admin_key=settings.admin_key, trainer_key=settings.trainer_key)
+    for key in ("a-new", "a-old", "t-new", "t-old"):
+        assert await auth.check((("authorization", f"Bearer {key}"),)) == ""
+    with pytest.raises(Unauthenticated):
+        await auth.check((("authorization", "Bearer a-new,a-old"),))

@@ -50,3 +50,31 @@ def test_refused_console_logins_per_address_default_to_ten_a_minute_and_must_be_
     assert GatewaySettings.from_env(five).console_login_failures_per_min == 5
     with pytest.raises(ValueError, match="ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN=0"):
         GatewaySettings.from_env({**base, "ROLLGATE_CONSOLE_LOGIN_FAILURES_PER_MIN": "0"})
+
+
+def test_several_admin_keys_are_all_accepted_and_the_first_is_current() -> None:
+    from services.gateway.console_auth import ConsoleCookies, CookieRefused
+    from services.runtime.secret import Keys
+
+    settings = GatewaySettings.from_env({"ROLLGATE_ADMIN_KEY": " new-key , old-key "})
+    keys = settings.admin_key
+    assert isinstance(keys, Keys) and len(keys) == 2
+    assert keys.matches("new-key") and keys.matches("old-key") and not keys.matches("new-key,")
+    assert keys.reveal() == "new-key"
+    assert "new-key" not in repr(settings) and "old-key" not in f"{keys} {keys!r}"
+    # A cookie signed by a pod on `old-key` is accepted by one on `new-key,old-key`, not by
+    # one on `new-key` alone; the current key signs.
+    old_pod = ConsoleCookies(Keys.parse("old-key", "K"), session_s=60, max_login_s=600)
+    both = ConsoleCookies(keys, session_s=60, max_login_s=600)
+    new_pod = ConsoleCookies(Keys.parse("new-key", "K"), session_s=60, max_login_s=600)
+    assert both.check(old_pod.issue("configured")).subject == "configured"
+    assert new_pod.check(both.issue("configured")).subject == "configured"
+    with pytest.raises(CookieRefused, match="another admin key"):
+        new_pod.check(old_pod.issue("configured"))
+
+
+@pytest.mark.parametrize("raw", ["new-key,,old-key", "new-key,", ", old-key"])
+def test_an_empty_entry_in_the_admin_keys_names_the_setting_not_a_key(raw: str) -> None:
+    with pytest.raises(ValueError, match=r"ROLLGATE_ADMIN_KEY.*empty entry") as refused:
+        GatewaySettings.from_env({"ROLLGATE_ADMIN_KEY": raw})
+    assert "new-key" not in str(refused.value) and "old-key" not in str(refused.value)

@@ -34,7 +34,8 @@ class IssuedSecrets:
         """Registers the values of secret-named variables of an environment."""
         for name, value in (env or {}).items():
             if _SECRET_VARIABLES.search(name) and not name.endswith("_VAR"):
-                self.add(value)
+                # A key setting may hold several keys (`new,old`): each is a secret.
+                self.add(value, *(part.strip() for part in value.split(",")))
 
     def watch(self, log_dir: Path) -> None:
         """Scans every file under `log_dir` at the end of the run."""
