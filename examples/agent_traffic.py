@@ -157,7 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack = _stack_state()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gateway", default=stack.get("gateway_url") or "http://127.0.0.1:8080")
-    parser.add_argument("--admin-key", default=os.environ.get("ROLLGATE_ADMIN_KEY", ""))
+    parser.add_argument(
+        "--admin-key", default=os.environ.get("ROLLGATE_ADMIN_KEY", "").split(",", 1)[0].strip()
+    )
     parser.add_argument("--episodes", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--task-id", default="traffic")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollgate.keys import current_key
 from rollgate.tensors import Style, TrainingTensors, to_tensors
 from rollgate.trainer_client import PulledTrajectory, TrainerClient, TrainerError
 
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], stack_file: Path
     )
     parser.add_argument(
         "--admin-key",
-        default=environ.get("ROLLGATE_ADMIN_KEY", ""),
+        default=current_key(environ.get("ROLLGATE_ADMIN_KEY", "")),
         help="admin or trainer key (default: $ROLLGATE_ADMIN_KEY)",
     )
     parser.add_argument("--batch-size", type=int, default=4, help="trajectories per step")

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from rollgate.keys import current_key
 from rollgate.trajectories_cli import stack_file
 
 DEFAULT_TRAINER_ADDR = "127.0.0.1:50052"
@@ -181,8 +182,8 @@ def _admin_key(section: Mapping[str, Any], env: Mapping[str, str]) -> str:
             raise AdapterConfigError(
                 f"rollgate.admin_key is ${{{name}}} but {name} is not set: export {name}=…"
             )
-        return env[name]
-    return env.get("ROLLGATE_ADMIN_KEY") or env.get("ROLLGATE_TRAINER_KEY") or ""
+        return current_key(env[name])
+    return current_key(env.get("ROLLGATE_ADMIN_KEY") or env.get("ROLLGATE_TRAINER_KEY") or "")
 
 
 def _unescaped(value: str) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from rollgate.keys import current_key
 from rollgate.stack import Stack, StackConfig, StackError, generate_admin_key
 from rollgate.supervisor import GaveUp
 from stackconfig import ConfigError, RollgateConfig, load_config
@@ -185,7 +186,7 @@ def up_main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        _print_banner(stack, admin_key, generated=not args.admin_key)
+        _print_banner(stack, current_key(admin_key), generated=not args.admin_key)
         supervisor = stack.supervisor(say=lambda text: print(text, flush=True))
         while True:
             supervisor.check()

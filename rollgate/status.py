@@ -20,6 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rollgate.keys import current_key
+
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 TIMEOUT_S = 10.0
 # Mean reward over the trajectories published this long ago at most.
@@ -196,7 +198,7 @@ def status_main(argv: Sequence[str], environ: dict[str, str] | None = None) -> i
         help="redraw every SECONDS (default 2) until Ctrl-C",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    admin_key = environ.get("ROLLGATE_ADMIN_KEY", "")
+    admin_key = current_key(environ.get("ROLLGATE_ADMIN_KEY", ""))
     if not admin_key:
         print(
             "rollgate status: set ROLLGATE_ADMIN_KEY to an admin key (rollgate up prints one)",

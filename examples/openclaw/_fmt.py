@@ -126,7 +126,9 @@ def resolve_gateway_url(cli_value: str | None, environ: Mapping[str, str]) -> st
 
 def resolve_admin_key(cli_value: str | None, environ: Mapping[str, str]) -> str | None:
     """The admin key: --admin-key, else $ROLLGATE_ADMIN_KEY, else $ADMIN_KEY (AReaL's name)."""
-    return cli_value or environ.get("ROLLGATE_ADMIN_KEY") or environ.get("ADMIN_KEY") or None
+    value = cli_value or environ.get("ROLLGATE_ADMIN_KEY") or environ.get("ADMIN_KEY")
+    # A variable listing several keys (a rotation under way): the first is the current one.
+    return (value.split(",", 1)[0].strip() or None) if value else None
 
 
 ADMIN_KEY_HINTS = (

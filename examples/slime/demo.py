@@ -37,6 +37,7 @@ import agent_traffic
 
 from rollgate.adapter_settings import resolve
 from rollgate.episodes import ReplayFinished
+from rollgate.keys import current_key
 from rollgate.slime_rollout import close_rollouts, generate_rollout
 from rollgate.trainer_client import TrainerClient, TrainerControl, TrainerError
 
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--first-rollout-id", type=int, default=1)
     parser.add_argument("--episodes", type=int, default=2, help="agent episodes per rollout")
     parser.add_argument("--gateway", default=None, help="default: ~/.rollgate/stack.json")
-    parser.add_argument("--admin-key", default=os.environ.get("ROLLGATE_ADMIN_KEY", ""))
+    parser.add_argument(
+        "--admin-key", default=current_key(os.environ.get("ROLLGATE_ADMIN_KEY", ""))
+    )
     parser.add_argument("--replay", default=None, help="an export file to train on instead")
     parser.add_argument("--dump", default=None, help="append what was trained on to this file")
     parser.add_argument("--group-by", choices=("call", "episode"), default="call")

@@ -276,3 +276,11 @@ def test_get_json_sends_no_body_and_no_auth_when_none_is_given(
     status, body, _ = fmt.get_json(f"{echo_url}/json/200")
     assert status == 200
     assert body == {"method": "GET", "authorization": None, "content_type": None, "body": ""}
+
+
+def test_the_admin_key_is_the_first_of_a_listed_variable(fmt: ModuleType) -> None:
+    # During a rotation ROLLGATE_ADMIN_KEY lists the new key first, then the old one.
+    assert fmt.resolve_admin_key(None, {"ROLLGATE_ADMIN_KEY": "new-key, old-key"}) == "new-key"
+    assert fmt.resolve_admin_key("given", {"ROLLGATE_ADMIN_KEY": "a,b"}) == "given"
+    assert fmt.resolve_admin_key(None, {"ADMIN_KEY": "k"}) == "k"
+    assert fmt.resolve_admin_key(None, {}) is None

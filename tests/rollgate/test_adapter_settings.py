@@ -120,3 +120,12 @@ def test_default_consumer_names_are_unique_per_process_and_stable_per_rank() -> 
     rank_two = name(RANK="2")
     assert rank_two == name(RANK="2") == f"{socket.gethostname()}-2"
     assert name(RANK="3") == f"{socket.gethostname()}-3"
+
+
+def test_a_variable_listing_keys_gives_its_first_the_current_one() -> None:
+    # During a rotation (docs/deploy.md) ROLLGATE_ADMIN_KEY lists new and old: clients send new.
+    old = "rg-admin-" + "o" * 30
+    listed = {"ROLLGATE_ADMIN_KEY": f"{KEY}, {old}"}
+    assert resolve(default_group="areal", environ=listed).admin_key == KEY
+    section = {"rollgate": {"admin_key": "${ROLLGATE_ADMIN_KEY}"}}
+    assert resolve(default_group="areal", config=section, environ=listed).admin_key == KEY
