@@ -177,6 +177,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
                 port=settings.port,
                 service_names=SERVICE_NAMES,
                 grace_s=settings.grace_s,
+                stop_notice_s=settings.stop_notice_s,
                 interceptors=(
                     RpcMetricsInterceptor(metrics.rpc, on_error=errors.record, tracer=tracer),
                 ),

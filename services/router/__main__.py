@@ -59,6 +59,7 @@ async def serving(settings: RouterSettings) -> AsyncIterator[GrpcServer]:
                 port=settings.port,
                 service_names=(SERVICE_NAME,),
                 grace_s=settings.grace_s,
+                stop_notice_s=settings.stop_notice_s,
                 interceptors=(RpcMetricsInterceptor(metrics.rpc, tracer=tracer),),
             )
         )

@@ -30,8 +30,9 @@ from services.runtime.logs import get_logger
 log = get_logger(__name__)
 
 # A stopping server keeps serving, health NOT_SERVING, until no RPC came in for QUIET_S (its
-# clients with health checking moved to another replica), at most STOP_NOTICE_S: an RPC that
-# arrives once the server stops is failed CANCELLED unserved (grpc/grpc#41785).
+# clients with health checking moved to another replica), at most its stop notice
+# (ROLLGATE_STOP_NOTICE_S): an RPC that arrives once the server stops is failed CANCELLED
+# unserved (grpc/grpc#41785).
 QUIET_S = 0.25
 STOP_NOTICE_S = 1.5
 # 64 MiB: trajectories and long prompts exceed gRPC's default 4 MiB.
@@ -230,6 +231,8 @@ class ServerSpec:
     # Service names (full proto names) announced on the health service.
     service_names: Sequence[str]
     grace_s: float = 10.0
+    # How long a stop serves on at most, waiting for its clients to go quiet (0: not at all).
+    stop_notice_s: float = STOP_NOTICE_S
     # Outermost first (the metrics interceptor comes first: it sees every final status).
     interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
 
@@ -278,7 +281,7 @@ class GrpcServer:
         log.info("service_started", name=self.spec.name, port=self.port)
 
     async def stop(self) -> None:
-        """Health → NOT_SERVING, drains, serve until the clients went quiet (≤ STOP_NOTICE_S),
+        """Health → NOT_SERVING, drains, serve until the clients went quiet (≤ the notice),
         then refuse new RPCs and let in-flight ones finish within the grace."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
@@ -293,8 +296,8 @@ class GrpcServer:
         await self.stop()
 
     async def _until_quiet(self) -> None:
-        """Returns once no RPC came in for QUIET_S, or after STOP_NOTICE_S."""
-        deadline = time.monotonic() + STOP_NOTICE_S
+        """Returns once no RPC came in for QUIET_S, or after the stop notice."""
+        deadline = time.monotonic() + self.spec.stop_notice_s
         while (now := time.monotonic()) < deadline:
             quiet_for = now - self._calls.last_call_at
             if quiet_for >= QUIET_S:

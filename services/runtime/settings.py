@@ -43,6 +43,9 @@ class ServiceSettings:
     port: int = 0
     # In-flight requests get this long to finish on shutdown.
     grace_s: float = 10.0
+    # A stopping service serves on until its clients went quiet, at most this long (0: no
+    # wait); services.runtime.grpc_server.GrpcServer.stop.
+    stop_notice_s: float = 1.5
     log_level: str = "info"
     # None: JSON unless stderr is a terminal.
     log_json: bool | None = None
@@ -76,6 +79,7 @@ def common_settings(
         "host": bind_host,
         "port": port if port is not None else default_port,
         "grace_s": src.number("ROLLGATE_GRACE_S", 10.0),
+        "stop_notice_s": src.number("ROLLGATE_STOP_NOTICE_S", 1.5),
         "log_level": log_level(src.text("ROLLGATE_LOG_LEVEL", "info", file="log_level")),
         "log_json": None if raw_json == "auto" else src.flag("ROLLGATE_LOG_JSON", False),
         "metrics": metrics_endpoint(src.environ, service=service, host=bind_host),

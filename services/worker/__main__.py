@@ -156,6 +156,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
                 port=settings.port,
                 service_names=(SERVICE_NAME,),
                 grace_s=settings.grace_s,
+                stop_notice_s=settings.stop_notice_s,
                 interceptors=(RpcMetricsInterceptor(metrics.rpc, tracer=tracer),),
             )
         )

@@ -292,7 +292,7 @@ async def test_with_one_replica_a_stopping_dataproxy_answers_503_with_retry_afte
 @pytest.fixture
 async def long_grace(redis_url: str, key_prefix: str) -> AsyncIterator[Chain]:
     async with running_dataproxy_chain(
-        redis_url, key_prefix, chain_type=Chain, grace_s=20.0
+        redis_url, key_prefix, chain_type=Chain, grace_s=20.0, stop_notice_s=6.0
     ) as running:
         yield running
 
@@ -303,7 +303,6 @@ async def test_a_stream_opened_while_the_dataproxy_stops_does_not_hold_its_stop(
     # A stopping server serves until its clients went quiet; long here, so the late stream
     # surely opens in that window, after the drain ended the streams there were.
     monkeypatch.setattr(grpc_server, "QUIET_S", 3.0)
-    monkeypatch.setattr(grpc_server, "STOP_NOTICE_S", 6.0)
     chain = long_grace
     digest = await chain.start()
     stopping = asyncio.create_task(chain.dataproxy_server.stop())

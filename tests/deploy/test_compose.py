@@ -13,6 +13,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from services.runtime.grpc_server import STOP_NOTICE_S
 from tests.deploy.conftest import REPO
 
 SCHEMA = Path(__file__).with_name("compose-spec.json")
@@ -198,7 +199,9 @@ def test_rollgate_containers_are_read_only_non_root_and_outlast_the_drain(
         assert "/tmp" in service["tmpfs"], name
         assert service["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in service["security_opt"], name
-        drain_s = float(service.get("environment", {}).get("ROLLGATE_GRACE_S", "10"))
+        env = service.get("environment", {})
+        drain_s = float(env.get("ROLLGATE_GRACE_S", "10"))
+        drain_s += float(env.get("ROLLGATE_STOP_NOTICE_S", STOP_NOTICE_S))
         assert seconds(service["stop_grace_period"]) > drain_s, name
 
 

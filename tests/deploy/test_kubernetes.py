@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from services.runtime.grpc_server import STOP_NOTICE_S
 from tests.deploy.conftest import OVERLAYS, Manifest, render
 from tests.deploy.network_policy import Peer, ingress_allowed
 
@@ -210,7 +211,11 @@ def test_every_service_selects_some_workload_and_every_workload_has_a_service(
 
 
 def test_grace_period_outlasts_the_prestop_sleep_plus_the_drain(overlay: list[Manifest]) -> None:
-    drain_s = float(env_config(overlay)["ROLLGATE_GRACE_S"])
+    env = env_config(overlay)
+    # The drain, then serving on while clients go quiet (the stop notice), before the server stops.
+    drain_s = float(env["ROLLGATE_GRACE_S"]) + float(
+        env.get("ROLLGATE_STOP_NOTICE_S", STOP_NOTICE_S)
+    )
     for deployment in rollgate_deployments(overlay):
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]

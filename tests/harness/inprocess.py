@@ -42,7 +42,7 @@ from services.worker.settings import WorkerSettings
 from services.worker.upstream import RequestPolicy
 from tests.gateway.conftest import gateway_settings
 from tests.harness.poll import eventually
-from tests.worker.harness import running_worker
+from tests.worker.harness import NO_STOP_NOTICE_S, running_worker
 
 # The admin key of the dataproxy chain.
 ADMIN_KEY = "admin-test-key-0123456789"
@@ -66,6 +66,7 @@ def dataproxy_settings(redis_url: str, key_prefix: str, **overrides: Any) -> Dat
         "admin_key": Secret(ADMIN_KEY),
         "turn_timeout_s": 30.0,
         "grace_s": 2.0,
+        "stop_notice_s": NO_STOP_NOTICE_S,
     }
     return DataProxySettings(**(base | overrides))
 
@@ -287,6 +288,7 @@ async def running_full_chain(
                     redis_url=redis_url,
                     redis_prefix=key_prefix,
                     grace_s=1.0,
+                    stop_notice_s=NO_STOP_NOTICE_S,
                     tracing=tracing,
                 )
             )
@@ -300,6 +302,7 @@ async def running_full_chain(
                     redis_prefix=key_prefix,
                     admin_key=Secret(admin_key),
                     grace_s=1.0,
+                    stop_notice_s=NO_STOP_NOTICE_S,
                     tracing=tracing,
                     **dataproxy,
                 )
@@ -322,6 +325,7 @@ async def running_full_chain(
                         serve_default_model=index == 0,
                         upstream_kind=upstream.kind,
                         grace_s=1.0,
+                        stop_notice_s=NO_STOP_NOTICE_S,
                         tracing=tracing,
                     )
                 )
@@ -369,6 +373,7 @@ async def serving_trainer(servicer: TrainerServicer) -> AsyncIterator[str]:
             port=0,
             service_names=["rollgate.v1.Trainer"],
             grace_s=1.0,
+            stop_notice_s=NO_STOP_NOTICE_S,
         )
     )
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)

@@ -291,3 +291,20 @@ def test_the_gateway_edge_limits_come_from_the_gateway_section() -> None:
     assert (settings.header_timeout_s, settings.keepalive_timeout_s) == (3.0, 30.0)
     assert settings.body_timeout_s == 20.0
     assert (settings.max_header_bytes, settings.max_headers) == (16384, 64)
+
+
+def test_the_stop_notice_is_read_by_every_grpc_service_and_may_be_zero() -> None:
+    for settings in (RouterSettings, DataProxySettings, WorkerSettings):
+        assert settings.from_env(_minimal_env()).stop_notice_s == 1.5
+        notice = settings.from_env({**_minimal_env(), "ROLLGATE_STOP_NOTICE_S": "0"})
+        assert notice.stop_notice_s == 0.0
+    with pytest.raises(ValueError, match="ROLLGATE_STOP_NOTICE_S"):
+        RouterSettings.from_env({"ROLLGATE_STOP_NOTICE_S": "soon"})
+
+
+def _minimal_env() -> dict[str, str]:
+    """What the dataproxy and the worker require (an admin key, an upstream)."""
+    return {
+        "ROLLGATE_ADMIN_KEY": "admin-" + "k" * 24,
+        "ROLLGATE_UPSTREAM_BASE_URL": "http://127.0.0.1:9/v1",
+    }

@@ -22,6 +22,12 @@ from services.worker.turn_streams import TurnStreams
 from services.worker.turns import TurnRunner
 from services.worker.upstream import RequestPolicy, UpstreamClient
 
+# In-process chains stop at once: waiting for their clients to go quiet (what a deployed
+# service does, ROLLGATE_STOP_NOTICE_S) would add up to a second to every test's teardown.
+# The tests of stopping that need it set it (tests/runtime/test_grpc_client.py,
+# tests/dataproxy/test_ledger.py), and the real-process tests run with the default.
+NO_STOP_NOTICE_S = 0.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerUnderTest:
@@ -61,6 +67,7 @@ async def running_worker(
                 port=0,
                 service_names=("rollgate.v1.Worker",),
                 grace_s=1.0,
+                stop_notice_s=NO_STOP_NOTICE_S,
             )
         )
         servicer = WorkerServicer(runner, upstream_timeout_s=timeout_s)
