@@ -137,10 +137,11 @@ class PipelinedScripts:
                         await self._lost(err, retry=False)
                         continue
                     self._connection = connection
-                if self._queued:
-                    self._send(connection)
-                if self._sent:
-                    await self._read_one(connection)
+                    self._send(connection)  # what waited for it (else `_flush` sends)
+                    continue
+                # With nothing sent yet (a `_flush` is due, or it could not write to this
+                # connection: the read then finds it lost) this waits for the reply to come.
+                await self._read_one(connection)
             except RedisConnectionError as err:
                 await self._lost(err, retry=True)
             except Exception as err:  # a timeout, a protocol error: nothing is retried
