@@ -37,6 +37,8 @@ METHOD = "/rollgate.v1.DataProxy/Ledger"
 # An op without a timeout gets this one (every op has a deadline).
 DEFAULT_OP_TIMEOUT_S = 30.0
 CLOSING = "this dataproxy is shutting down; the turn was not started, retry"
+# While shutting down, a stream with nothing under way ends after this long idle.
+CLOSING_IDLE_S = 0.25
 
 
 class _Stream:
@@ -102,7 +104,7 @@ class LedgerStreams:
         answers = stream.answers
         try:
             # None: the stream ends (the gateway closed its side, or this process shuts down).
-            while (answer := await answers.get()) is not None:
+            while (answer := await self._next_answer(stream)) is not None:
                 batch = dataproxy_pb2.LedgerResponses()
                 batch.answers.append(answer)
                 ended = False
@@ -124,6 +126,20 @@ class LedgerStreams:
             self._streams.discard(stream)
             await self._release_unfinished(stream)
             self._check_drained()
+
+    async def _next_answer(self, stream: _Stream) -> dataproxy_pb2.LedgerResponse | None:
+        """The stream's next answer; None when it ends. While this process shuts down, a
+        stream idle for CLOSING_IDLE_S with nothing of its own under way ends too (one
+        opened after the drain ended the others: else the stop waits it out for the grace)."""
+        if not self._closing:
+            return await stream.answers.get()
+        while True:
+            try:
+                async with asyncio.timeout(CLOSING_IDLE_S):
+                    return await stream.answers.get()
+            except TimeoutError:
+                if not stream.ops and not stream.admitted:
+                    return None
 
     async def close(self, timeout_s: float) -> None:
         """Refuses new turns, waits (≤ timeout_s) until every admitted turn is recorded or

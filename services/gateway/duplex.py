@@ -28,8 +28,8 @@ class BatchedCall(Generic[Op]):
         # The peer said it is shutting down: new work goes elsewhere (what it started still
         # comes here).
         self.stopping = False
-        self._reader = asyncio.create_task(self._read(), name=f"{name}-reader")
         self._writer = asyncio.create_task(self._write(), name=f"{name}-writer")
+        self._reader = asyncio.create_task(self._reading(), name=f"{name}-reader")
 
     def _batch(self, ops: list[Op]) -> Any:
         raise NotImplementedError
@@ -39,6 +39,14 @@ class BatchedCall(Generic[Op]):
 
     def _write_failed(self, err: Exception) -> None:
         raise NotImplementedError
+
+    async def _reading(self) -> None:
+        try:
+            await self._read()
+        finally:
+            # The call is over (ended or broken): nothing more goes out, so the writer stops
+            # too (else it waited forever and was destroyed pending with the stream).
+            self._writer.cancel()
 
     def _queue(self, op: Op) -> None:
         self._outbox.append(op)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 
@@ -315,5 +316,27 @@ async def test_a_stream_opened_while_the_dataproxy_stops_does_not_hold_its_stop(
         # the 20 s grace (before, it did, and then cut it).
         async with asyncio.timeout(12):
             await stopping
+        # ... and the gateway's side of it stopped writing too (its writer task is not left
+        # pending, to be destroyed with the stream).
+        [stream] = [s for s in late._streams if s is not None]
+        await eventually(stream._writer.done, what="the writer stopped")
     finally:
         await late.close()
+
+
+async def test_a_stream_that_sends_nothing_while_the_dataproxy_stops_ends_when_idle(
+    long_grace: Chain, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grpc_server, "QUIET_S", 3.0)  # the stop's window stays open
+    chain = long_grace
+    await chain.start()
+    stopping = asyncio.create_task(chain.dataproxy_server.stop())
+    await eventually(lambda: chain.dataproxy_server.draining)
+    call = chain.dataproxy.Ledger()  # opened after the drain, and no op on it
+    try:
+        async with asyncio.timeout(10):  # before: open until the 20 s grace ran out
+            while await call.read() is not grpc.aio.EOF:
+                pass  # the weight version every stream starts with
+            await stopping
+    finally:
+        call.cancel()
