@@ -129,8 +129,9 @@ class LedgerStreams:
 
     async def _next_answer(self, stream: _Stream) -> dataproxy_pb2.LedgerResponse | None:
         """The stream's next answer; None when it ends. While this process shuts down, a
-        stream idle for CLOSING_IDLE_S with nothing of its own under way ends too (one
-        opened after the drain ended the others: else the stop waits it out for the grace)."""
+        stream idle for CLOSING_IDLE_S with nothing of its own under way ends too (one a
+        gateway opened after the drain ended the others, its begins refused: else the stop
+        waits it out for the grace); the gateway takes what else it has to another replica."""
         if not self._closing:
             return await stream.answers.get()
         while True:
@@ -195,12 +196,6 @@ class LedgerStreams:
             code, message = error.grpc_status.name, error.message
         answer.id = request.id
         stream.answers.put_nowait(answer)
-        current = asyncio.current_task()
-        if self._closing and not stream.admitted and all(op is current for op in stream.ops):
-            # Shutting down and nothing of this stream's is left (a stream opened after the
-            # drain began, or one whose turns all ended): it ends now, and the gateway takes
-            # whatever else it has to another replica, so the stop need not wait it out.
-            stream.answers.put_nowait(None)
         if self._on_op is not None:
             self._on_op(kind, code, time.perf_counter() - started, message)
         self._check_drained()
