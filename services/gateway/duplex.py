@@ -10,7 +10,6 @@ or a failure does: `_batch`, `_read`, `_write_failed` and `_fail`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any, Generic, TypeVar
 
 from services.runtime.tasks import cancel_and_wait
@@ -72,10 +71,9 @@ class BatchedCall(Generic[Op]):
         self._closing = True
         self._queued.set()
         if self.alive:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await asyncio.shield(self._writer)
-                    await asyncio.shield(self._reader)
+            # Each ends on its own: the writer after what is queued, the reader at the peer's
+            # end (which stops the writer: waited for, a cancelled writer is no error here).
+            await asyncio.wait((self._writer, self._reader), timeout=1.0)
         self._call.cancel()
         await cancel_and_wait(self._writer)
         await cancel_and_wait(self._reader)
