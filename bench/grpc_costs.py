@@ -12,6 +12,10 @@ by the turns:
   message and K answer messages, each tagged with the turn's id (one message per write).
 - `bidi-K-batched`: the same stream, but each side writes everything that is queued when its
   writer is free as one message (the turn ledger's way).
+- `socket-K`: what `bidi-K` does (the same messages, the same framing, a task per turn on the
+  server, one message per write) on a plain TCP connection with asyncio protocols instead of
+  gRPC: what one message end costs without grpc.aio's machinery (docs/internals.md, *What a
+  turn costs*).
 
 The messages are the worker's real ones (GenerateRequest, GenerateResponse, CompleteResponse
 of a 16-token answer). Usage: `.venv/bin/python bench/grpc_costs.py [--turns 4000]
@@ -44,7 +48,9 @@ SERVICE = "/bench.Costs/"
 _ID = struct.Struct("<Q")
 SHAPES = (
     "unary", "stream-1", "stream-2", "bidi-1", "bidi-2", "bidi-1-batched", "bidi-2-batched",
+    "socket-1", "socket-2",
 )  # fmt: skip
+_SIZE = struct.Struct("<I")
 
 
 def _chunk(i: int) -> bytes:
@@ -205,12 +211,64 @@ def _handlers() -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("bench.Costs", methods)
 
 
+class _Frames(asyncio.Protocol):
+    """Length-prefixed frames on a TCP connection, each one `_frame` of (turn id, message)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+
+    def send(self, turn: int, message: bytes) -> None:
+        framed = _frame([(turn, message)])
+        assert self.transport is not None
+        self.transport.write(_SIZE.pack(len(framed)) + framed)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= 4:
+            (size,) = _SIZE.unpack_from(self._buffer)
+            if len(self._buffer) < 4 + size:
+                return
+            frame = bytes(self._buffer[4 : 4 + size])
+            del self._buffer[: 4 + size]
+            for turn_id, body in _unframe(frame):
+                self.received(turn_id, body)
+
+    def received(self, turn_id: int, body: bytes) -> None:
+        raise NotImplementedError
+
+
+class _SocketServer(_Frames):
+    """The server side of `socket-K`: what `_bidi(k)` does, on a plain connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._turns: set[asyncio.Task[None]] = set()
+
+    def received(self, turn_id: int, body: bytes) -> None:
+        request = worker_pb2.GenerateRequest.FromString(body)
+        k = request.weight_version  # the client names K here
+        task = asyncio.get_running_loop().create_task(self._turn(turn_id, k))
+        self._turns.add(task)
+        task.add_done_callback(self._turns.discard)
+
+    async def _turn(self, turn_id: int, k: int) -> None:
+        for index, answer in enumerate(_answers(k)):
+            if index:
+                await asyncio.sleep(0)  # the upstream's next read
+            self.send(turn_id, answer.SerializeToString())
+
+
 async def serve(port: int) -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((_handlers(),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    print(bound, flush=True)
+    sockets = await asyncio.get_running_loop().create_server(_SocketServer, "127.0.0.1", 0)
+    print(bound, sockets.sockets[0].getsockname()[1], flush=True)
     await server.wait_for_termination()
 
 
@@ -269,17 +327,54 @@ class _BidiClient:
         self._call.cancel()
 
 
+class _SocketClient(_Frames):
+    """The client side of `socket-K`: turns by id on one connection, one frame per write."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self._k = k
+        self._request = worker_pb2.GenerateRequest(
+            weight_version=k,
+            request_id=REQUEST.request_id,
+            request_json=REQUEST.request_json,
+            params_json=REQUEST.params_json,
+        ).SerializeToString()
+        self._waiting: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
+        self._next = 0
+
+    async def turn(self) -> None:
+        self._next += 1
+        done = asyncio.get_running_loop().create_future()
+        self._waiting[self._next] = (done, [])
+        self.send(self._next, self._request)
+        await done
+
+    def received(self, turn_id: int, body: bytes) -> None:
+        done, got = self._waiting[turn_id]
+        got.append(worker_pb2.GenerateResponse.FromString(body))
+        if len(got) == self._k:
+            del self._waiting[turn_id]
+            done.set_result(None)
+
+
 async def _server_cpu(channel: grpc.aio.Channel) -> float:
     raw = await channel.unary_unary(SERVICE + "Cpu")(b"")
     return float(struct.unpack("<d", raw)[0])
 
 
 async def measure(
-    channel: grpc.aio.Channel, shape: str, *, turns: int, concurrency: int
+    channel: grpc.aio.Channel, shape: str, *, turns: int, concurrency: int, socket_port: int
 ) -> dict[str, float]:
     """Client and server CPU µs per turn and the turns per second of one shape."""
     bidi: _BidiClient | None = None
-    if shape == "unary":
+    connection: _SocketClient | None = None
+    if shape.startswith("socket-"):
+        k = int(shape.split("-")[1])
+        _, connection = await asyncio.get_running_loop().create_connection(
+            lambda: _SocketClient(k), "127.0.0.1", socket_port
+        )
+        one = connection.turn
+    elif shape == "unary":
         call = channel.unary_unary(SERVICE + "Unary")
 
         async def one() -> None:
@@ -317,6 +412,8 @@ async def measure(
     server_s = await _server_cpu(channel) - server_before
     if bidi is not None:
         await bidi.close()
+    if connection is not None and connection.transport is not None:
+        connection.transport.close()
     return {
         "client_us": 1e6 * client_s / turns,
         "server_us": 1e6 * server_s / turns,
@@ -324,7 +421,7 @@ async def measure(
     }
 
 
-async def client(port: int, args: argparse.Namespace) -> None:
+async def client(port: int, socket_port: int, args: argparse.Namespace) -> None:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     await channel.channel_ready()
     print("| shape | in flight | client CPU µs/turn | server CPU µs/turn | both | turns/s |")
@@ -332,7 +429,13 @@ async def client(port: int, args: argparse.Namespace) -> None:
     for concurrency in args.concurrency:
         for shape in args.shapes:
             results = [
-                await measure(channel, shape, turns=args.turns, concurrency=concurrency)
+                await measure(
+                    channel,
+                    shape,
+                    turns=args.turns,
+                    concurrency=concurrency,
+                    socket_port=socket_port,
+                )
                 for _ in range(args.repeat)
             ]
             best = min(results, key=lambda r: r["client_us"] + r["server_us"])
@@ -363,8 +466,8 @@ def main() -> int:
     )
     try:
         assert server.stdout is not None
-        port = int(server.stdout.readline())
-        uvloop.run(client(port, args))
+        port, socket_port = (int(p) for p in server.stdout.readline().split())
+        uvloop.run(client(port, socket_port, args))
     finally:
         server.terminate()
         server.wait(timeout=10)
