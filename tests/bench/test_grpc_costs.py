@@ -24,21 +24,18 @@ def _costs() -> ModuleType:
 
 async def test_every_shape_answers_every_turn_on_a_real_server_process() -> None:
     costs = _costs()
-    server = subprocess.Popen(
-        [sys.executable, str(BENCH / "grpc_costs.py"), "--serve", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, str(BENCH / "grpc_costs.py"), "--serve", "0", stdout=subprocess.PIPE
     )
     try:
         assert server.stdout is not None
-        port, socket_port = (int(p) for p in server.stdout.readline().split())
+        line = await asyncio.wait_for(server.stdout.readline(), timeout=30)
+        port, socket_port = (int(p) for p in line.split())
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         try:
             for shape in ("bidi-2", "socket-1", "socket-2"):
                 result = await asyncio.wait_for(
-                    costs.measure(
-                        channel, shape, turns=50, concurrency=4, socket_port=socket_port
-                    ),
+                    costs.measure(channel, shape, turns=50, concurrency=4, socket_port=socket_port),
                     timeout=60,
                 )
                 # Every turn was answered (measure waits for each turn's K answers) and both
@@ -49,7 +46,7 @@ async def test_every_shape_answers_every_turn_on_a_real_server_process() -> None
             await channel.close()
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        await asyncio.wait_for(server.wait(), timeout=10)
 
 
 def test_a_socket_turn_gets_its_k_answers_and_no_more() -> None:
