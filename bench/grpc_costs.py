@@ -275,6 +275,18 @@ async def serve(port: int) -> None:
 # -- client -------------------------------------------------------------------------------
 
 
+_Waiting = dict[int, tuple[asyncio.Future[None], list[Any]]]
+
+
+def _answered(waiting: _Waiting, turn_id: int, body: bytes, k: int) -> None:
+    """One answer of a turn; the turn is done at its K-th."""
+    done, got = waiting[turn_id]
+    got.append(worker_pb2.GenerateResponse.FromString(body))
+    if len(got) == k:
+        del waiting[turn_id]
+        done.set_result(None)
+
+
 class _BidiClient:
     """Turns on one open stream: a writer task, a reader task, answers by turn id."""
 
@@ -285,7 +297,7 @@ class _BidiClient:
         self._batched = batched
         self._queue: list[tuple[int, bytes]] = []
         self._ready = asyncio.Event()
-        self._waiting: dict[int, tuple[asyncio.Future[None], list[bytes]]] = {}
+        self._waiting: _Waiting = {}
         self._next = 0
         self._tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
 
@@ -315,11 +327,7 @@ class _BidiClient:
             if message is grpc.aio.EOF:
                 return
             for turn_id, body in _unframe(message):
-                done, got = self._waiting[turn_id]
-                got.append(worker_pb2.GenerateResponse.FromString(body))
-                if len(got) == self._k:
-                    del self._waiting[turn_id]
-                    done.set_result(None)
+                _answered(self._waiting, turn_id, body, self._k)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -339,7 +347,7 @@ class _SocketClient(_Frames):
             request_json=REQUEST.request_json,
             params_json=REQUEST.params_json,
         ).SerializeToString()
-        self._waiting: dict[int, tuple[asyncio.Future[None], list[Any]]] = {}
+        self._waiting: _Waiting = {}
         self._next = 0
 
     async def turn(self) -> None:
@@ -350,11 +358,7 @@ class _SocketClient(_Frames):
         await done
 
     def received(self, turn_id: int, body: bytes) -> None:
-        done, got = self._waiting[turn_id]
-        got.append(worker_pb2.GenerateResponse.FromString(body))
-        if len(got) == self._k:
-            del self._waiting[turn_id]
-            done.set_result(None)
+        _answered(self._waiting, turn_id, body, self._k)
 
 
 async def _server_cpu(channel: grpc.aio.Channel) -> float:
