@@ -140,3 +140,44 @@ class TurnSample(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TurnSample: _TypeAlias = TurnSample  # noqa: Y015
+
+@_typing.final
+class FramedEndpointRequest(_message.Message):
+    """Asks where a service serves one of its long-lived streams framed: a plain TCP connection
+    carrying the same messages as the gRPC stream, cheaper per message (services/runtime/framed.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FramedEndpointRequest: _TypeAlias = FramedEndpointRequest  # noqa: Y015
+
+@_typing.final
+class FramedEndpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    """The TCP port, on the host the caller reached this service at; 0: not served framed (use
+    the gRPC stream).
+    """
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FramedEndpointResponse: _TypeAlias = FramedEndpointResponse  # noqa: Y015

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos import common_pb2 as protos_dot_common__pb2
 from protos import dataproxy_pb2 as protos_dot_dataproxy__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -54,6 +55,11 @@ class DataProxyStub:
                 request_serializer=protos_dot_dataproxy__pb2.LedgerRequests.SerializeToString,
                 response_deserializer=protos_dot_dataproxy__pb2.LedgerResponses.FromString,
                 _registered_method=True)
+        self.LedgerEndpoint = channel.unary_unary(
+                '/rollgate.v1.DataProxy/LedgerEndpoint',
+                request_serializer=protos_dot_common__pb2.FramedEndpointRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.FramedEndpointResponse.FromString,
+                _registered_method=True)
         self.ResolveKey = channel.unary_unary(
                 '/rollgate.v1.DataProxy/ResolveKey',
                 request_serializer=protos_dot_dataproxy__pb2.ResolveKeyRequest.SerializeToString,
@@ -104,6 +110,13 @@ class DataProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LedgerEndpoint(self, request, context):
+        """Where this dataproxy serves Ledger framed (the gateway's choice when it does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ResolveKey(self, request, context):
         """Resolves a session key to its session (used by the gateway to route).
         """
@@ -147,6 +160,11 @@ def add_DataProxyServicer_to_server(servicer, server):
                     servicer.Ledger,
                     request_deserializer=protos_dot_dataproxy__pb2.LedgerRequests.FromString,
                     response_serializer=protos_dot_dataproxy__pb2.LedgerResponses.SerializeToString,
+            ),
+            'LedgerEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LedgerEndpoint,
+                    request_deserializer=protos_dot_common__pb2.FramedEndpointRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.FramedEndpointResponse.SerializeToString,
             ),
             'ResolveKey': grpc.unary_unary_rpc_method_handler(
                     servicer.ResolveKey,
@@ -272,6 +290,33 @@ class DataProxy:
             '/rollgate.v1.DataProxy/Ledger',
             protos_dot_dataproxy__pb2.LedgerRequests.SerializeToString,
             protos_dot_dataproxy__pb2.LedgerResponses.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LedgerEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.DataProxy/LedgerEndpoint',
+            protos_dot_common__pb2.FramedEndpointRequest.SerializeToString,
+            protos_dot_common__pb2.FramedEndpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

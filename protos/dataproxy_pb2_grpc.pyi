@@ -5,6 +5,7 @@ The dataproxy: sessions, episodes, turn records and the trajectory stream."""
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from protos import common_pb2 as _common_pb2
 from protos import dataproxy_pb2 as _dataproxy_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -42,6 +43,8 @@ class DataProxyStub:
     carries every op (every answer) that was ready to go together: one gRPC message, not one
     per op, when several turns start or end at once.
     """
+    LedgerEndpoint: _grpc.UnaryUnaryMultiCallable[_common_pb2.FramedEndpointRequest, _common_pb2.FramedEndpointResponse]
+    """Where this dataproxy serves Ledger framed (the gateway's choice when it does)."""
     ResolveKey: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.ResolveKeyRequest, _dataproxy_pb2.ResolveKeyResponse]
     """Resolves a session key to its session (used by the gateway to route)."""
     GetHistory: _grpc.UnaryUnaryMultiCallable[_dataproxy_pb2.GetHistoryRequest, _dataproxy_pb2.GetHistoryResponse]
@@ -63,6 +66,8 @@ class DataProxyAsyncStub(DataProxyStub):
     carries every op (every answer) that was ready to go together: one gRPC message, not one
     per op, when several turns start or end at once.
     """
+    LedgerEndpoint: _aio.UnaryUnaryMultiCallable[_common_pb2.FramedEndpointRequest, _common_pb2.FramedEndpointResponse]  # type: ignore[assignment]
+    """Where this dataproxy serves Ledger framed (the gateway's choice when it does)."""
     ResolveKey: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.ResolveKeyRequest, _dataproxy_pb2.ResolveKeyResponse]  # type: ignore[assignment]
     """Resolves a session key to its session (used by the gateway to route)."""
     GetHistory: _aio.UnaryUnaryMultiCallable[_dataproxy_pb2.GetHistoryRequest, _dataproxy_pb2.GetHistoryResponse]  # type: ignore[assignment]
@@ -105,6 +110,14 @@ class DataProxyServicer(metaclass=_abc_1.ABCMeta):
         carries every op (every answer) that was ready to go together: one gRPC message, not one
         per op, when several turns start or end at once.
         """
+
+    @_abc_1.abstractmethod
+    def LedgerEndpoint(
+        self,
+        request: _common_pb2.FramedEndpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.FramedEndpointResponse, _abc.Awaitable[_common_pb2.FramedEndpointResponse]]:
+        """Where this dataproxy serves Ledger framed (the gateway's choice when it does)."""
 
     @_abc_1.abstractmethod
     def ResolveKey(

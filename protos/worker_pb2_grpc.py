@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos import common_pb2 as protos_dot_common__pb2
 from protos import worker_pb2 as protos_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -54,6 +55,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.TurnOps.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.TurnEvents.FromString,
                 _registered_method=True)
+        self.TurnsEndpoint = channel.unary_unary(
+                '/rollgate.v1.Worker/TurnsEndpoint',
+                request_serializer=protos_dot_common__pb2.FramedEndpointRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.FramedEndpointResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -92,6 +98,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TurnsEndpoint(self, request, context):
+        """Where this worker serves Turns framed (the gateway's choice when it does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +127,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Turns,
                     request_deserializer=protos_dot_worker__pb2.TurnOps.FromString,
                     response_serializer=protos_dot_worker__pb2.TurnEvents.SerializeToString,
+            ),
+            'TurnsEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.TurnsEndpoint,
+                    request_deserializer=protos_dot_common__pb2.FramedEndpointRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.FramedEndpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +242,33 @@ class Worker:
             '/rollgate.v1.Worker/Turns',
             protos_dot_worker__pb2.TurnOps.SerializeToString,
             protos_dot_worker__pb2.TurnEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TurnsEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollgate.v1.Worker/TurnsEndpoint',
+            protos_dot_common__pb2.FramedEndpointRequest.SerializeToString,
+            protos_dot_common__pb2.FramedEndpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ The worker: a stateless caller of one upstream LLM."""
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from protos import common_pb2 as _common_pb2
 from protos import worker_pb2 as _worker_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -46,6 +47,8 @@ class WorkerStub:
     message carries every op (every event) that was ready to go together: the cost of a
     stream is per message, and a message on an open stream is a fraction of a call.
     """
+    TurnsEndpoint: _grpc.UnaryUnaryMultiCallable[_common_pb2.FramedEndpointRequest, _common_pb2.FramedEndpointResponse]
+    """Where this worker serves Turns framed (the gateway's choice when it does)."""
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -65,6 +68,8 @@ class WorkerAsyncStub(WorkerStub):
     message carries every op (every event) that was ready to go together: the cost of a
     stream is per message, and a message on an open stream is a fraction of a call.
     """
+    TurnsEndpoint: _aio.UnaryUnaryMultiCallable[_common_pb2.FramedEndpointRequest, _common_pb2.FramedEndpointResponse]  # type: ignore[assignment]
+    """Where this worker serves Turns framed (the gateway's choice when it does)."""
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -105,5 +110,13 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         message carries every op (every event) that was ready to go together: the cost of a
         stream is per message, and a message on an open stream is a fraction of a call.
         """
+
+    @_abc_1.abstractmethod
+    def TurnsEndpoint(
+        self,
+        request: _common_pb2.FramedEndpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.FramedEndpointResponse, _abc.Awaitable[_common_pb2.FramedEndpointResponse]]:
+        """Where this worker serves Turns framed (the gateway's choice when it does)."""
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

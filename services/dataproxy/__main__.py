@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
 
-from protos import console_pb2_grpc, dataproxy_pb2_grpc, trainer_pb2_grpc
+from protos import console_pb2_grpc, dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2_grpc
 from services.dataproxy.access_keys import AccessKeyStore
 from services.dataproxy.console_servicer import ConsoleServicer
 from services.dataproxy.control import CapacityPolicy, Control, WeightVersionView
@@ -32,6 +32,7 @@ from services.dataproxy.stream_trim import StreamTrimmer
 from services.dataproxy.trainer_auth import TrainerAuth
 from services.dataproxy.trainer_servicer import TrainerServicer, build_control
 from services.dataproxy.turn_ledger import TurnLedger
+from services.runtime.framed import LEDGER_PREAMBLE, serve_framed
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.metrics import (
     ErrorHook,
@@ -217,6 +218,15 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
         add_KeysServicer_to_server(
             build_keys(redis=redis, prefix=settings.redis_prefix, admin_key=settings.admin_key),
             server.server,
+        )
+        servicer.framed_port = await serve_framed(
+            stack,
+            streams.serve,
+            host=settings.host,
+            port=settings.framed_port,
+            preamble=LEDGER_PREAMBLE,
+            parse=dataproxy_pb2.LedgerRequests.FromString,
+            name="dataproxy-ledger",
         )
         # Entered last, so it stops first: in-flight turns drain while Redis lives.
         await stack.enter_async_context(server)

@@ -7,7 +7,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from protos import dataproxy_pb2, dataproxy_pb2_grpc
+from protos import common_pb2, dataproxy_pb2, dataproxy_pb2_grpc
 from services.dataproxy.ledger_streams import LedgerStreams
 from services.dataproxy.sessions import SessionStore
 
@@ -20,6 +20,8 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     def __init__(self, *, store: SessionStore, ledger: LedgerStreams) -> None:
         self._store = store
         self._ledger = ledger
+        # Where Ledger is also served framed (0: it is not).
+        self.framed_port = 0
 
     async def StartSession(
         self, request: dataproxy_pb2.StartSessionRequest, context: Context
@@ -65,6 +67,11 @@ class DataProxyServicer(dataproxy_pb2_grpc.DataProxyServicer):
     ) -> AsyncIterator[dataproxy_pb2.LedgerResponses]:
         async for answer in self._ledger.serve(request_iterator):
             yield answer
+
+    async def LedgerEndpoint(
+        self, request: common_pb2.FramedEndpointRequest, context: Context
+    ) -> common_pb2.FramedEndpointResponse:
+        return common_pb2.FramedEndpointResponse(port=self.framed_port)
 
     async def IssueKey(
         self, request: dataproxy_pb2.IssueKeyRequest, context: Context

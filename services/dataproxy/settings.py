@@ -11,6 +11,7 @@ from services.runtime.settings import (
     ServiceSettings,
     Sources,
     common_settings,
+    framed_port,
     redis_settings,
 )
 
@@ -23,6 +24,8 @@ class DataProxySettings(ServiceSettings):
     """Everything the dataproxy needs to know at start-up."""
 
     port: int = DEFAULT_PORT
+    # Where Ledger is also served framed (0: any free port; None: not at all).
+    framed_port: int | None = 0
     redis_url: str = DEFAULT_REDIS_URL
     redis_prefix: str = "rg:"
     # Verifies the Trainer service's callers; required. Several keys (comma-separated in
@@ -87,6 +90,7 @@ class DataProxySettings(ServiceSettings):
                 src, service="dataproxy", host=host, port=port, default_port=DEFAULT_PORT
             ),
             **redis_settings(src),
+            framed_port=framed_port(src, "dataproxy"),
             admin_key=admin_key,
             trainer_key=Keys.parse(
                 src.text("ROLLGATE_TRAINER_KEY", file="dataproxy.trainer_key"),

@@ -73,8 +73,11 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
         # ledger.py), which one shared round-robin channel could not promise.
         addresses = target_addresses(settings.dataproxy_addr)
         ledger_channels = [open_channel(a) for a in addresses] if len(addresses) > 1 else []
-        replicas = [Replica(_dataproxy_stub(c), channel=c) for c in ledger_channels]
-        ledger = LedgerClient(*replicas) if replicas else LedgerClient(dataproxy)
+        replicas = [
+            Replica(_dataproxy_stub(c), channel=c, address=a)
+            for c, a in zip(ledger_channels, addresses, strict=False)
+        ] or [Replica(dataproxy, address=settings.dataproxy_addr)]
+        ledger = LedgerClient(*replicas, framed=settings.framed_streams)
         try:
             app[BACKENDS] = Backends(
                 router=router,
@@ -91,6 +94,7 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
                 workers=workers,
                 rpc_timeout_s=settings.rpc_timeout_s,
                 metrics=app.get(TURN_METRICS),
+                framed_streams=settings.framed_streams,
             )
             log.info(
                 "backends_opened", router=settings.router_addr, dataproxy=settings.dataproxy_addr

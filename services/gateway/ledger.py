@@ -11,7 +11,9 @@ stream broke is retried on another replica's stream (a fresh one with a single r
 once, a record twice (appending is idempotent by interaction id). A begin that a stopping
 dataproxy refused (`dataproxy_stopping`: not started) is retried once on another replica, and
 that replica's stream takes no begins until it ends, so a rolling restart of dataproxies
-is invisible to clients when the target lists more than one.
+is invisible to clients when the target lists more than one. Each stream is the replica's framed
+one when it offers it (services/runtime/framed.py: the same messages on a plain connection,
+cheaper per message), else its gRPC `Ledger` call.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from services.runtime.errors import (
     from_payload,
     from_rpc_error,
 )
+from services.runtime.framed import LEDGER_PREAMBLE, PeerStream, framed_host
 from services.runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -58,11 +61,13 @@ STOPPING_CODE = "dataproxy_stopping"
 
 @dataclass(frozen=True, slots=True)
 class Replica:
-    """One dataproxy replica: the stub its ledger streams open on, and its channel (None: a
-    test's stub, always taken as reachable)."""
+    """One dataproxy replica: the stub its ledger streams open on, its channel (None: a
+    test's stub, always taken as reachable) and its address (the host of its framed stream;
+    "": the gRPC stream only)."""
 
     stub: DataProxyAsyncStub
     channel: grpc.aio.Channel | None = field(default=None, kw_only=True)
+    address: str = field(default="", kw_only=True)
 
     def connected(self) -> bool:
         """Whether its channel is connected now (a connection is started when it is not)."""
@@ -116,10 +121,26 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
     records and releases of the turns it admitted still come here, its drain waits for them.
     """
 
-    def __init__(self, stub: DataProxyAsyncStub, ledger: LedgerClient) -> None:
+    def __init__(self, replica: Replica, ledger: LedgerClient, *, framed: bool) -> None:
         self._ledger = ledger
         self._pending: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
-        super().__init__(stub.Ledger(), name="ledger")
+        stub = replica.stub
+
+        async def endpoint() -> int:
+            answer = await stub.LedgerEndpoint(
+                common_pb2.FramedEndpointRequest(), timeout=CONNECT_WAIT_S
+            )
+            return int(answer.port)
+
+        self.call = PeerStream(
+            open_grpc=stub.Ledger,
+            endpoint=endpoint if framed else None,
+            host=framed_host(replica.address) if replica.address else None,
+            preamble=LEDGER_PREAMBLE,
+            parse=dataproxy_pb2.LedgerResponses.FromString,
+            peer="dataproxy",
+        )
+        super().__init__(self.call, name="ledger")
 
     async def ask(
         self, request: dataproxy_pb2.LedgerRequest, timeout_s: float
@@ -195,10 +216,12 @@ def _error_of(err: Exception) -> RollgateError:
 class LedgerClient:
     """Begin, record and release over one ledger stream per dataproxy replica."""
 
-    def __init__(self, *replicas: DataProxyAsyncStub | Replica) -> None:
+    def __init__(self, *replicas: DataProxyAsyncStub | Replica, framed: bool = True) -> None:
         if not replicas:
             raise ValueError("a ledger needs at least one dataproxy")
         self._replicas = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
+        # Framed streams where the replicas offer them (services/runtime/framed.py).
+        self._framed = framed
         self._streams: list[_Stream | None] = [None] * len(self._replicas)
         # ticket → the replica that admitted it (its record and release go there first).
         self._admitted_by: dict[bytes, int] = {}
@@ -314,7 +337,9 @@ class LedgerClient:
     def _stream(self, replica: int) -> _Stream:
         stream = self._streams[replica]
         if stream is None or not stream.alive:
-            stream = self._streams[replica] = _Stream(self._replicas[replica].stub, self)
+            stream = self._streams[replica] = _Stream(
+                self._replicas[replica], self, framed=self._framed
+            )
         return stream
 
     def _choose(self, route_key: str, *, begin: bool, tried: set[int]) -> int | None:

@@ -312,11 +312,12 @@ class TurnRelay:
         workers: ChannelPool,
         rpc_timeout_s: float,
         metrics: TurnMetrics | None = None,
+        framed_streams: bool = True,
     ) -> None:
         self._routes = routes
         self._ledger = ledger
-        # One Turns stream per worker, on the pool's channels.
-        self._workers = WorkerTurns(workers)
+        # One Turns stream per worker, on the pool's channels (framed where offered).
+        self._workers = WorkerTurns(workers, framed=framed_streams)
         self._rpc_timeout_s = rpc_timeout_s
         self._metrics = metrics
 

@@ -27,6 +27,9 @@ class GatewaySettings(ServiceSettings):
     port: int = DEFAULT_PORT
     router_addr: str = "127.0.0.1:50051"
     dataproxy_addr: str = "127.0.0.1:50052"
+    # Use the framed Turns and Ledger streams where the worker and dataproxy offer them
+    # (services/runtime/framed.py); off: their gRPC streams.
+    framed_streams: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Deadline for one chat turn, streaming included.
     request_timeout_s: float = 600.0
@@ -100,6 +103,7 @@ class GatewaySettings(ServiceSettings):
             dataproxy_addr=src.text(
                 "ROLLGATE_DATAPROXY_ADDR", "127.0.0.1:50052", file="dataproxy.address"
             ),
+            framed_streams=src.flag("ROLLGATE_FRAMED_STREAMS", True),
             start_session_timeout_s=refresh_timeout_s + START_SESSION_MARGIN_S,
             **_ws_settings(src),
             **_limits(src),

@@ -20,7 +20,7 @@ import itertools
 
 import grpc
 
-from protos import worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.gateway.duplex import BatchedCall
 from services.runtime.errors import (
     RollgateError,
@@ -30,6 +30,7 @@ from services.runtime.errors import (
     from_payload,
     from_rpc_error,
 )
+from services.runtime.framed import TURNS_PREAMBLE, PeerStream, framed_host
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.logs import get_logger
 
@@ -40,6 +41,8 @@ WINDOW_BYTES = 256 * 1024
 # A worker that is shutting down refuses new turns with this code: not started, reroutable.
 STOPPING_CODE = "worker_stopping"
 UNAVAILABLE_CODE = "worker_unavailable"
+# The deadline of the call that asks a worker where it serves its stream framed.
+ENDPOINT_TIMEOUT_S = 5.0
 
 
 def _unreachable() -> RollgateError:
@@ -166,9 +169,25 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
     A stopping stream (its worker said it is shutting down) takes no new turns.
     """
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, address: str, *, framed: bool) -> None:
         self._turns: dict[int, WorkerTurn] = {}
-        super().__init__(worker_pb2_grpc.WorkerStub(channel).Turns(), name="worker-turns")
+        stub = worker_pb2_grpc.WorkerStub(channel)
+
+        async def endpoint() -> int:
+            answer = await stub.TurnsEndpoint(
+                common_pb2.FramedEndpointRequest(), timeout=ENDPOINT_TIMEOUT_S
+            )
+            return int(answer.port)
+
+        self.call = PeerStream(
+            open_grpc=stub.Turns,
+            endpoint=endpoint if framed else None,
+            host=framed_host(address),
+            preamble=TURNS_PREAMBLE,
+            parse=worker_pb2.TurnEvents.FromString,
+            peer="worker",
+        )
+        super().__init__(self.call, name="worker-turns")
 
     @property
     def usable(self) -> bool:
@@ -240,8 +259,10 @@ def _rpc(err: Exception) -> bool:
 class WorkerTurns:
     """Turns over one `Turns` stream per worker address, on the workers' channels."""
 
-    def __init__(self, channels: ChannelPool) -> None:
+    def __init__(self, channels: ChannelPool, *, framed: bool = True) -> None:
         self._channels = channels
+        # Framed streams where the workers offer them (services/runtime/framed.py).
+        self._framed = framed
         self._streams: dict[str, _WorkerStream] = {}
         self._ids = itertools.count(1)
 
@@ -257,7 +278,9 @@ class WorkerTurns:
         """Starts a turn on the worker at `address` (its stream opened when there is none)."""
         worker = self._streams.get(address)
         if worker is None or not worker.usable:
-            worker = self._streams[address] = _WorkerStream(self._channels.get(address))
+            worker = self._streams[address] = _WorkerStream(
+                self._channels.get(address), address, framed=self._framed
+            )
         start = worker_pb2.TurnStart(
             request=request,
             stream=stream,

@@ -27,6 +27,7 @@ __all__ = [
     "env_float",
     "env_int",
     "env_str",
+    "framed_port",
     "positive",
     "redis_settings",
 ]
@@ -123,6 +124,25 @@ def redis_settings(src: Sources) -> dict[str, Any]:
             "ROLLGATE_REDIS_PREFIX", DEFAULT_REDIS_PREFIX, file="redis.prefix"
         ),
     }
+
+
+def framed_port(src: Sources, service: str) -> int | None:
+    """Where `service` serves its hot stream framed (services/runtime/framed.py):
+    `ROLLGATE_<SERVICE>_FRAMED_PORT`, a port, 0 (the default: any free one, which the service
+    names to its callers) or `off` (None: the gRPC stream only)."""
+    name = f"ROLLGATE_{service.upper()}_FRAMED_PORT"
+    raw = src.text(name, "0").strip().lower()
+    if raw in ("off", "none", "false", "no"):
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= MAX_PORT:
+        raise ValueError(
+            f"{name}={raw!r} is not a port: use 1-{MAX_PORT}, 0 for any free one, or off"
+        )
+    return port
 
 
 def positive(value: float, name: str) -> float:

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from chatml.tokenizer import LocalTokenizer
-from protos import router_pb2_grpc, worker_pb2_grpc
+from protos import router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.runtime.framed import TURNS_PREAMBLE, serve_framed
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.logs import get_logger
@@ -171,6 +172,15 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
         # In the stop sequence, before the server stops: no new turns on the gateways'
         # streams; the running ones finish within the grace period, then the streams end.
         server.on_drain(servicer.streams.close)
+        servicer.framed_port = await serve_framed(
+            stack,
+            servicer.streams.serve,
+            host=settings.host,
+            port=settings.framed_port,
+            preamble=TURNS_PREAMBLE,
+            parse=worker_pb2.TurnOps.FromString,
+            name="worker-turns",
+        )
         await stack.enter_async_context(server)
         await server.set_serving()
         channel = open_channel(settings.router_addr)

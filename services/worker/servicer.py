@@ -7,7 +7,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from protos import worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.runtime.tracing import Tracer
 from services.worker.metrics import WorkerMetrics
 from services.worker.turn_streams import TurnHook, TurnStreams
@@ -40,6 +40,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             on_turn=on_turn,
             tracer=tracer,
         )
+        # Where the Turns streams are also served framed (0: they are not).
+        self.framed_port = 0
 
     def _budget_s(self, context: Context) -> float:
         remaining = context.time_remaining()
@@ -72,3 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.TurnEvents]:
         async for events in self.streams.serve(request_iterator):
             yield events
+
+    async def TurnsEndpoint(
+        self, request: common_pb2.FramedEndpointRequest, context: Context
+    ) -> common_pb2.FramedEndpointResponse:
+        return common_pb2.FramedEndpointResponse(port=self.framed_port)

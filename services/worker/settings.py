@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from typing import Self
 
 from services.runtime.secret import NO_SECRET, Secret
-from services.runtime.settings import ServiceSettings, Sources, common_settings, env_str
+from services.runtime.settings import (
+    ServiceSettings,
+    Sources,
+    common_settings,
+    env_str,
+    framed_port,
+)
 from stackconfig import DEFAULT_KIND, SGLANG_PATHS, UPSTREAM_KINDS
 from stackconfig import normalize_base_url as config_base_url
 
@@ -77,6 +83,8 @@ class WorkerSettings(ServiceSettings):
     """Everything the worker needs to know at start-up."""
 
     port: int = DEFAULT_PORT
+    # Where Turns is also served framed (0: any free port; None: not at all).
+    framed_port: int | None = 0
     router_addr: str = "127.0.0.1:50051"
     worker_id: str = ""
     # host:port at which the dataproxy reaches this worker; empty: host and the bound port.
@@ -142,6 +150,7 @@ class WorkerSettings(ServiceSettings):
             **common_settings(
                 src, service="worker", host=host, port=port, default_port=DEFAULT_PORT
             ),
+            framed_port=framed_port(src, "worker"),
             router_addr=src.text("ROLLGATE_ROUTER_ADDR", "127.0.0.1:50051", file="router.address"),
             worker_id=src.text("ROLLGATE_WORKER_ID", f"worker-{uuid.uuid4().hex[:12]}"),
             advertise=src.text("ROLLGATE_WORKER_ADVERTISE"),

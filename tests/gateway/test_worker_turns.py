@@ -1,7 +1,7 @@
 """The gateway's turns on one `Worker.Turns` stream per worker, against a real worker and the
 mock LLM: many turns share it, a turn's window holds only that turn, cancel stops the
 upstream call, a stopping worker refuses new turns as not started, an unreachable one fails
-them as not started."""
+them as not started. Each test runs on the framed stream and on the gRPC one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ from services.runtime.errors import RollgateError
 from services.runtime.grpc_client import ChannelPool
 from tests.harness.poll import eventually
 from tests.worker.harness import mock_and_worker
+
+
+@pytest.fixture(params=["framed", "grpc"])
+def framed(request: pytest.FixtureRequest) -> bool:
+    """Whether the gateway's side uses the worker's framed stream (else its gRPC stream)."""
+    return bool(request.param == "framed")
+
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(40))
 
@@ -47,9 +54,9 @@ def answer(record: Any) -> str:
     return str(orjson.loads(record.assistant_message_json)["content"])
 
 
-async def test_many_turns_share_one_stream_and_each_gets_its_own_answer() -> None:
+async def test_many_turns_share_one_stream_and_each_gets_its_own_answer(framed: bool) -> None:
     async with mock_and_worker(token_interval_ms=1) as (mock, worker), ChannelPool() as pool:
-        turns = WorkerTurns(pool)
+        turns = WorkerTurns(pool, framed=framed)
         streamed = [
             turns.start(worker.address, request(f"stream {i} {LONG_TEXT}", stream=True),
                         stream=True, timeout_s=10)
@@ -63,6 +70,8 @@ async def test_many_turns_share_one_stream_and_each_gets_its_own_answer() -> Non
         results = await asyncio.gather(*(read_all(t) for t in streamed))
         answers = [(await t.events())[0] for t in unary]
         assert len(turns._streams) == 1
+        (opened,) = turns._streams.values()
+        assert opened.call.transport == ("framed" if framed else "grpc")
         await turns.close()
     for i, (text, last) in enumerate(results):
         assert f"you said stream {i} " in text
@@ -73,11 +82,12 @@ async def test_many_turns_share_one_stream_and_each_gets_its_own_answer() -> Non
 
 
 async def test_a_turn_that_is_not_read_waits_at_its_window_while_others_go_on(
+    framed: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(worker_calls, "WINDOW_BYTES", 600)
     async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
-        turns = WorkerTurns(pool)
+        turns = WorkerTurns(pool, framed=framed)
         slow = turns.start(
             worker.address, request(f"slow {LONG_TEXT}", stream=True), stream=True, timeout_s=10
         )
@@ -105,9 +115,9 @@ async def test_a_turn_that_is_not_read_waits_at_its_window_while_others_go_on(
     assert "you said slow " in answer(last.generated.record)
 
 
-async def test_a_cancelled_turn_stops_its_upstream_call() -> None:
+async def test_a_cancelled_turn_stops_its_upstream_call(framed: bool) -> None:
     async with mock_and_worker(token_interval_ms=50) as (mock, worker), ChannelPool() as pool:
-        turns = WorkerTurns(pool)
+        turns = WorkerTurns(pool, framed=framed)
         turn = turns.start(
             worker.address, request(LONG_TEXT, stream=True), stream=True, timeout_s=10
         )
@@ -124,12 +134,12 @@ async def test_a_cancelled_turn_stops_its_upstream_call() -> None:
         await turns.close()
 
 
-async def test_a_stopping_worker_refuses_new_turns_as_not_started_and_finishes_the_running() -> (
-    None
-):
+async def test_a_stopping_worker_refuses_new_turns_as_not_started_and_finishes_the_running(
+    framed: bool,
+) -> None:
     async with mock_and_worker(token_interval_ms=20) as (_, worker), ChannelPool() as pool:
         assert worker.streams is not None
-        turns = WorkerTurns(pool)
+        turns = WorkerTurns(pool, framed=framed)
         running = turns.start(
             worker.address, request(LONG_TEXT, stream=True), stream=True, timeout_s=10
         )
@@ -149,9 +159,9 @@ async def test_a_stopping_worker_refuses_new_turns_as_not_started_and_finishes_t
         await turns.close()
 
 
-async def test_an_unreachable_worker_fails_the_turn_as_not_started() -> None:
+async def test_an_unreachable_worker_fails_the_turn_as_not_started(framed: bool) -> None:
     async with ChannelPool() as pool:
-        turns = WorkerTurns(pool)
+        turns = WorkerTurns(pool, framed=framed)
         turn = turns.start(
             f"127.0.0.1:{free_port()}", request("hi", stream=False), stream=False, timeout_s=5
         )
@@ -162,13 +172,15 @@ async def test_an_unreachable_worker_fails_the_turn_as_not_started() -> None:
     assert not turn.received
 
 
-async def test_a_stream_opened_after_a_worker_began_stopping_ends_after_its_refusal() -> None:
+async def test_a_stream_opened_after_a_worker_began_stopping_ends_after_its_refusal(
+    framed: bool,
+) -> None:
     # Else the worker's stop waits it out for its whole grace period, then cuts it.
     async with mock_and_worker() as (_, worker), ChannelPool() as pool:
         streams = worker.streams
         assert streams is not None
         await streams.close(10.0)  # nothing running: drained at once, no stream left
-        turns = WorkerTurns(pool)  # a gateway that opens its stream now
+        turns = WorkerTurns(pool, framed=framed)  # a gateway that opens its stream now
         try:
             refused = turns.start(
                 worker.address, request("late", stream=False), stream=False, timeout_s=10

@@ -11,8 +11,9 @@ from typing import Any
 import grpc
 
 from chatml.tokenizer import LocalTokenizer
-from protos import worker_pb2_grpc
+from protos import worker_pb2, worker_pb2_grpc
 from rollgate.mock_llm import MockLLM
+from services.runtime.framed import TURNS_PREAMBLE, serve_framed
 from services.runtime.grpc_client import open_channel
 from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.secret import Secret
@@ -53,11 +54,14 @@ async def running_worker(
     policy: RequestPolicy | None = None,
     tokenizer: LocalTokenizer | None = None,
     sglang_path: str = "chat",
+    framed: bool = True,
 ) -> AsyncIterator[WorkerUnderTest]:
-    """A Worker servicer on a real gRPC server (port 0) calling `base_url`."""
-    async with UpstreamClient(
-        base_url=base_url, api_key=Secret(api_key), key_var=key_var
-    ) as upstream:
+    """A Worker servicer on a real gRPC server (port 0) calling `base_url`; its Turns also
+    served framed, as the worker process serves them, unless `framed` is False."""
+    async with (
+        contextlib.AsyncExitStack() as stack,
+        UpstreamClient(base_url=base_url, api_key=Secret(api_key), key_var=key_var) as upstream,
+    ):
         adapter = adapter_for(kind, sglang_path=sglang_path, tokenizer=tokenizer)
         runner = TurnRunner(upstream=upstream, adapter=adapter, policy=policy, tokenizer=tokenizer)
         server = GrpcServer(
@@ -72,6 +76,15 @@ async def running_worker(
         )
         servicer = WorkerServicer(runner, upstream_timeout_s=timeout_s)
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
+        servicer.framed_port = await serve_framed(
+            stack,
+            servicer.streams.serve,
+            host="127.0.0.1",
+            port=0 if framed else None,
+            preamble=TURNS_PREAMBLE,
+            parse=worker_pb2.TurnOps.FromString,
+            name="worker-turns",
+        )
         async with server:
             await server.set_serving()
             address = f"127.0.0.1:{server.port}"
@@ -96,11 +109,14 @@ async def mock_and_worker(
     mock_key: str | None = None,
     worker_key: str = "",
     timeout_s: float = 10.0,
+    framed: bool = True,
 ) -> AsyncIterator[tuple[MockLLM, WorkerUnderTest]]:
     """A fresh mock LLM and a worker in front of it."""
     async with (
         MockLLM(port=0, token_interval_ms=token_interval_ms, api_key=mock_key) as mock,
-        running_worker(mock.base_url, kind=kind, api_key=worker_key, timeout_s=timeout_s) as worker,
+        running_worker(
+            mock.base_url, kind=kind, api_key=worker_key, timeout_s=timeout_s, framed=framed
+        ) as worker,
     ):
         yield mock, worker
 

@@ -1,0 +1,478 @@
+"""Framed streams: a long-lived stream of protobuf messages on a plain TCP connection.
+
+The two streams every turn crosses (`Worker.Turns`, `DataProxy.Ledger`) carry several messages
+per turn; on grpc.aio each message end costs ≈ 90 µs of CPU in its machinery (a batch op, the
+completion through its poller thread, a future), where a length-prefixed frame on an asyncio
+connection costs ≈ 7-40 µs (docs/internals.md, *What a turn costs*). So the worker and the
+dataproxy also serve those two streams framed, and a gateway uses the framed one when its peer
+offers it (a unary gRPC call names the port: `Worker.TurnsEndpoint`,
+`DataProxy.LedgerEndpoint`), else the gRPC stream. Everything else stays gRPC.
+
+On the wire: the client's preamble (the protocol and the stream's name, so a connection to the
+wrong port fails at once), then in each direction frames of a 4-byte big-endian length and one
+serialized message. A client half-closes its side (EOF) when it is done writing; the server
+closes the connection when its stream ended. A frame over `MAX_FRAME_BYTES`, a message that
+does not parse or a wrong preamble ends the connection. The same messages, ids, deadlines,
+cancels and credits as on the gRPC streams: only the transport differs, so `FramedCall` offers
+what the gateway uses of a grpc.aio stream-stream call (`write`, `read`, `done_writing`,
+`cancel`) and fails the way it does (`grpc.aio.AioRpcError`, UNAVAILABLE when the connection
+broke, RESOURCE_EXHAUSTED for a frame too large), and the server hands `serve` the requests as
+an async iterator as a gRPC servicer gets them. Like the gRPC channels, the connections are
+plain TCP: the NetworkPolicies are the boundary (deploy/k8s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any, Generic, TypeVar, cast
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from services.runtime.grpc_server import MAX_MESSAGE_BYTES
+from services.runtime.logs import get_logger
+from services.runtime.tasks import cancel_and_wait
+
+log = get_logger(__name__)
+
+_SIZE = struct.Struct(">I")
+# As large as a gRPC message may be (trajectories, long prompts).
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
+# A connection that cannot be made in this long is given up (the gRPC stream is used).
+CONNECT_TIMEOUT_S = 2.0
+# Dead peers (a node gone without a reset) are found like the gRPC channels' keepalive does.
+_KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+
+TURNS_PREAMBLE = b"rollgate-framed/1 rollgate.v1.Worker/Turns\n"
+LEDGER_PREAMBLE = b"rollgate-framed/1 rollgate.v1.DataProxy/Ledger\n"
+
+In = TypeVar("In", bound=Message)
+Out = TypeVar("Out", bound=Message)
+
+
+class FrameError(Exception):
+    """The peer sent what is not a frame of this stream (the connection is ended)."""
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a grpc.aio call would raise (callers already map those per hop)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _tune(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE:
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class _Connection(asyncio.Protocol, Generic[In]):
+    """Frames in and out of one connection: parsed messages queue up in order; a write waits
+    while the peer's side of the connection is full."""
+
+    def __init__(self, parse: Callable[[bytes], In], *, expect: bytes = b"") -> None:
+        self._parse = parse
+        # The server's side expects the preamble; it alone stays half-open after an EOF (the
+        # client is done writing; the server ends the stream, then the connection).
+        self._server_side = bool(expect)
+        self._expect = expect
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._inbox: deque[In] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        # Why the connection ended (None: still open); EOF alone is a clean end.
+        self.error: Exception | None = None
+        self.eof = False
+        self.lost = False
+        self.on_made: Callable[[], None] | None = None
+        self.on_lost: Callable[[], None] | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses; they offer the same calls.
+        self.transport = cast("asyncio.Transport", transport)
+        _tune(transport)
+        if self.on_made is not None:
+            self.on_made()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        at = 0
+        try:
+            if self._expect and not self._preamble_checked():
+                return
+            while len(buffer) - at >= 4:
+                (size,) = _SIZE.unpack_from(buffer, at)
+                if size > MAX_FRAME_BYTES:
+                    raise FrameError(f"a frame of {size} bytes is over {MAX_FRAME_BYTES}")
+                end = at + 4 + size
+                if len(buffer) < end:
+                    break
+                self._inbox.append(self._parse(bytes(buffer[at + 4 : end])))
+                at = end
+        except (FrameError, DecodeError) as err:
+            self.abort(err if isinstance(err, FrameError) else FrameError("a frame did not parse"))
+            return
+        if at:
+            del buffer[:at]
+        if self._inbox:
+            self._wake()
+
+    def _preamble_checked(self) -> bool:
+        """True once the preamble came and matched (it is taken off the buffer); FrameError
+        as soon as what came differs from it."""
+        size = len(self._expect)
+        head = bytes(self._buffer[:size])
+        if not self._expect.startswith(head):
+            raise FrameError("not a connection of this stream (wrong preamble)")
+        if len(head) < size:
+            return False
+        del self._buffer[:size]
+        self._expect = b""
+        return True
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return self._server_side
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.error is None and exc is not None:
+            self.error = exc
+        self._wake()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        if self.on_lost is not None:
+            self.on_lost()
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # Frames
+
+    def send(self, message: Message) -> None:
+        """Queues one frame (raises FrameError when it is too large to send)."""
+        data = message.SerializeToString()
+        if len(data) > MAX_FRAME_BYTES:
+            raise FrameError(f"a message of {len(data)} bytes is over {MAX_FRAME_BYTES}")
+        if self.transport is None:
+            raise FrameError("the connection is not open")
+        self.transport.write(_SIZE.pack(len(data)) + data)
+
+    async def drained(self) -> None:
+        """Returns once the connection takes more (at once unless the peer is behind)."""
+        writable = self._writable
+        if writable is not None and not writable.done():
+            await writable
+
+    async def next(self) -> In | None:
+        """The next message; None once the peer closed its side or the connection ended."""
+        while not self._inbox:
+            if self.eof or self.lost:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
+    def abort(self, error: Exception) -> None:
+        """Ends the connection at once (`error` says why)."""
+        if self.error is None:
+            self.error = error
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class FramedCall(Generic[In]):
+    """The client's side of a framed stream, used as a grpc.aio stream-stream call is."""
+
+    def __init__(self, connection: _Connection[In], *, peer: str) -> None:
+        self._connection = connection
+        self._peer = peer
+
+    @classmethod
+    async def connect(
+        cls, host: str, port: int, *, preamble: bytes, parse: Callable[[bytes], In], peer: str
+    ) -> FramedCall[In]:
+        """A connection to the stream at host:port (OSError / TimeoutError when there is none
+        within CONNECT_TIMEOUT_S)."""
+        loop = asyncio.get_running_loop()
+        connection: _Connection[In] = _Connection(parse)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            await loop.create_connection(lambda: connection, host, port)
+        if connection.transport is None:
+            raise ConnectionError("the connection closed as it opened")
+        connection.transport.write(preamble)
+        return cls(connection, peer=peer)
+
+    async def write(self, message: Message) -> None:
+        connection = self._connection
+        if connection.lost or connection.transport is None or connection.transport.is_closing():
+            raise self._broken()
+        try:
+            connection.send(message)
+        except FrameError as err:
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
+        await connection.drained()
+
+    async def read(self) -> Any:
+        """The next message, grpc.aio.EOF once the server ended the stream."""
+        message = await self._connection.next()
+        if message is not None:
+            return message
+        if self._connection.error is not None:
+            raise self._broken()
+        return grpc.aio.EOF
+
+    async def done_writing(self) -> None:
+        transport = self._connection.transport
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()
+
+    def cancel(self) -> bool:
+        transport = self._connection.transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.close()
+        return True
+
+    def _broken(self) -> grpc.aio.AioRpcError:
+        error = self._connection.error
+        if isinstance(error, FrameError):
+            return rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._peer}: {error}")
+        reason = type(error).__name__ if error is not None else "closed"
+        return rpc_error(
+            grpc.StatusCode.UNAVAILABLE, f"the framed stream to the {self._peer} broke ({reason})"
+        )
+
+
+def framed_host(target: str) -> str | None:
+    """The host a gRPC target names (`host:port`, `ipv4:h:p`, `dns:///h:p`, `[::1]:p`), None
+    for what a plain connection cannot reach (a unix socket, several addresses)."""
+    rest = target
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if rest.startswith(scheme):
+            rest = rest[len(scheme) :]
+            if scheme == "dns:" and rest.startswith("//"):
+                rest = rest[2:].partition("/")[2]  # dns://[authority]/host:port
+            break
+    if not rest or "," in rest or rest.startswith("unix") or "/" in rest:
+        return None
+    if rest.startswith("["):
+        host, _, after = rest[1:].partition("]")
+        return host if after.startswith(":") and host else None
+    host, sep, _ = rest.rpartition(":")
+    return host if sep and host and ":" not in host else None
+
+
+class PeerStream:
+    """The stream to a peer, the way `BatchedCall` drives a call: framed when the peer
+    offers it (`endpoint()` names its port, 0 or UNIMPLEMENTED: none), else `open_grpc()`.
+
+    Opening runs in the background; `write` and `read` wait for it. An endpoint call that fails
+    otherwise (the peer is down) fails the stream as the gRPC call would have; a port that
+    cannot be connected to (a NetworkPolicy without it, say) is logged and the gRPC stream is
+    used.
+    """
+
+    def __init__(
+        self,
+        *,
+        open_grpc: Callable[[], Any],
+        endpoint: Callable[[], Awaitable[int]] | None,
+        host: str | None,
+        preamble: bytes,
+        parse: Callable[[bytes], Any],
+        peer: str,
+    ) -> None:
+        self._open_grpc = open_grpc
+        self._endpoint = endpoint if host else None
+        self._host = host or ""
+        self._preamble = preamble
+        self._parse = parse
+        self.peer = peer
+        # "framed" or "grpc" once open.
+        self.transport = ""
+        self._opening: asyncio.Task[Any] = asyncio.create_task(self._open(), name=f"open-{peer}")
+
+    async def _open(self) -> Any:
+        port = 0
+        if self._endpoint is not None:
+            try:
+                port = await self._endpoint()
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+        if port:
+            try:
+                call = await FramedCall.connect(
+                    self._host, port, preamble=self._preamble, parse=self._parse, peer=self.peer
+                )
+            except (OSError, TimeoutError) as err:
+                log.warning(
+                    "framed_stream_unreachable_using_grpc",
+                    peer=self.peer,
+                    port=port,
+                    error=type(err).__name__,
+                )
+            else:
+                self.transport = "framed"
+                log.info("peer_stream_opened", peer=self.peer, transport="framed", port=port)
+                return call
+        self.transport = "grpc"
+        log.info("peer_stream_opened", peer=self.peer, transport="grpc")
+        return self._open_grpc()
+
+    async def write(self, message: Message) -> None:
+        call = await self._opening
+        await call.write(message)
+
+    async def read(self) -> Any:
+        call = await self._opening
+        return await call.read()
+
+    async def done_writing(self) -> None:
+        call = await self._opening
+        await call.done_writing()
+
+    def cancel(self) -> bool:
+        if not self._opening.done():
+            self._opening.cancel()
+            return True
+        if self._opening.cancelled() or self._opening.exception() is not None:
+            return False
+        return bool(self._opening.result().cancel())
+
+
+class FramedServer(Generic[In, Out]):
+    """Serves one stream framed: each connection's requests go to `serve`, what it yields goes
+    back; `close` stops listening and ends the connections still open."""
+
+    def __init__(
+        self,
+        serve: Callable[[AsyncIterator[In]], AsyncIterator[Out]],
+        *,
+        preamble: bytes,
+        parse: Callable[[bytes], In],
+        name: str,
+    ) -> None:
+        self._serve = serve
+        self._preamble = preamble
+        self._parse = parse
+        self.name = name
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        """Listens on host:port (0: any free port; `self.port` is the bound one)."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(self._connected, host, port)
+        except OSError as err:
+            raise OSError(
+                f"{self.name}: cannot listen on {host}:{port} for its framed stream "
+                f"({err.strerror or err}): choose another port, or `off`"
+            ) from None
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def _connected(self) -> _Connection[In]:
+        connection: _Connection[In] = _Connection(self._parse, expect=self._preamble)
+        task: asyncio.Task[None] | None = None
+
+        def made() -> None:
+            nonlocal task
+            task = asyncio.get_running_loop().create_task(
+                self._run(connection), name=f"{self.name}-framed"
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        def lost() -> None:
+            # The gateway went away (or sent what is not a frame): its stream stops, as a
+            # cancelled gRPC call stops its handler (what still runs on it is cancelled).
+            if task is not None and not task.done():
+                task.cancel()
+
+        connection.on_made = made
+        connection.on_lost = lost
+        return connection
+
+    async def _run(self, connection: _Connection[In]) -> None:
+        async def requests() -> AsyncIterator[In]:
+            while (message := await connection.next()) is not None:
+                yield message
+
+        messages = self._serve(requests())
+        try:
+            async for message in messages:
+                connection.send(message)
+                await connection.drained()
+        except FrameError as err:
+            log.warning("framed_stream_message_too_large", stream=self.name, error=str(err))
+        finally:
+            # Its turns stop now (cancelled with the connection, or ended), not when collected.
+            aclose = getattr(messages, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if connection.error is not None and isinstance(connection.error, FrameError):
+                log.warning("framed_stream_refused", stream=self.name, error=str(connection.error))
+            if connection.transport is not None:
+                connection.transport.close()
+
+    async def close(self) -> None:
+        """Stops listening; the connections still open are ended (their streams stop)."""
+        for task in list(self._tasks):
+            await cancel_and_wait(task)  # each closes its connection as it ends
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+
+async def serve_framed(
+    stack: AsyncExitStack,
+    serve: Callable[[AsyncIterator[In]], AsyncIterator[Out]],
+    *,
+    host: str,
+    port: int | None,
+    preamble: bytes,
+    parse: Callable[[bytes], In],
+    name: str,
+) -> int:
+    """Serves `serve` framed on host:port until `stack` closes (None: not at all); the bound
+    port (0 when off). Entered before the gRPC server, it closes after that server's stop
+    sequence: its drains end the streams (framed ones included), then the listener goes."""
+    if port is None:
+        return 0
+    server: FramedServer[In, Out] = FramedServer(serve, preamble=preamble, parse=parse, name=name)
+    await server.start(host, port)
+    stack.push_async_callback(server.close)
+    log.info("framed_stream_listening", stream=name, host=host, port=server.port)
+    return server.port

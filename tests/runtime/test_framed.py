@@ -1,0 +1,269 @@
+"""Framed streams (services/runtime/framed.py) on real loopback connections: messages in order
+and intact across split reads, half-close and end, what is refused (a wrong preamble, a frame
+too large, garbage), a client that goes away, and the choice between framed and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from protos import worker_pb2
+from rollgate.redis_server import free_port
+from services.runtime import framed
+from services.runtime.framed import FramedCall, FramedServer, PeerStream, framed_host
+from tests.harness.poll import eventually
+
+PREAMBLE = b"rollgate-framed/1 test/Echo\n"
+
+
+class Echo:
+    """Answers each TurnOps with one TurnEvents of an event per op (its id, size = the op's
+    credit), until the client half-closes; remembers whether its stream was closed."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+
+    async def serve(
+        self, requests: AsyncIterator[worker_pb2.TurnOps]
+    ) -> AsyncIterator[worker_pb2.TurnEvents]:
+        self.opened += 1
+        try:
+            async for batch in requests:
+                yield worker_pb2.TurnEvents(
+                    events=[
+                        worker_pb2.TurnEvent(id=op.id, size=op.credit_bytes) for op in batch.ops
+                    ]
+                )
+        finally:
+            self.closed += 1
+
+
+@contextlib.asynccontextmanager
+async def echo_server() -> AsyncIterator[
+    tuple[FramedServer[worker_pb2.TurnOps, worker_pb2.TurnEvents], Echo]
+]:
+    echo = Echo()
+    server: FramedServer[worker_pb2.TurnOps, worker_pb2.TurnEvents] = FramedServer(
+        echo.serve, preamble=PREAMBLE, parse=worker_pb2.TurnOps.FromString, name="echo"
+    )
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server, echo
+    finally:
+        await server.close()
+
+
+async def connect(port: int) -> FramedCall[worker_pb2.TurnEvents]:
+    return await FramedCall.connect(
+        "127.0.0.1", port, preamble=PREAMBLE, parse=worker_pb2.TurnEvents.FromString, peer="echo"
+    )
+
+
+def ops(*ids: int, credit: int = 0) -> worker_pb2.TurnOps:
+    return worker_pb2.TurnOps(ops=[worker_pb2.TurnOp(id=i, credit_bytes=credit) for i in ids])
+
+
+async def test_messages_come_back_in_order_then_the_stream_ends_after_a_half_close() -> None:
+    async with echo_server() as (server, echo):
+        call = await connect(server.port)
+        for first in range(0, 300, 3):
+            await call.write(ops(first, first + 1, first + 2, credit=first))
+        await call.done_writing()
+        ids: list[int] = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            ids.extend(event.id for event in message.events)
+        assert ids == list(range(300))
+        await eventually(lambda: echo.closed == 1, what="the server's stream closed")
+
+
+async def test_a_large_message_crosses_whole() -> None:
+    big = worker_pb2.TurnOps(
+        ops=[worker_pb2.TurnOp(id=1, start=worker_pb2.TurnStart(traceparent="x" * 3_000_000))]
+    )
+
+    async def serve(
+        requests: AsyncIterator[worker_pb2.TurnOps],
+    ) -> AsyncIterator[worker_pb2.TurnOps]:
+        async for batch in requests:
+            yield batch
+
+    server: FramedServer[worker_pb2.TurnOps, worker_pb2.TurnOps] = FramedServer(
+        serve, preamble=PREAMBLE, parse=worker_pb2.TurnOps.FromString, name="mirror"
+    )
+    await server.start("127.0.0.1", 0)
+    try:
+        call = await FramedCall.connect(
+            "127.0.0.1", server.port, preamble=PREAMBLE, parse=worker_pb2.TurnOps.FromString,
+            peer="mirror",
+        )  # fmt: skip
+        await call.write(big)
+        assert await call.read() == big
+        call.cancel()
+    finally:
+        await server.close()
+
+
+async def raw_connection(port: int, payload: bytes) -> bytes:
+    """What the server sends back to `payload` before it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+    await writer.drain()
+    try:
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_a_wrong_preamble_a_huge_frame_or_garbage_ends_the_connection() -> None:
+    async with echo_server() as (server, echo):
+        assert await raw_connection(server.port, b"GET / HTTP/1.1\r\n\r\n") == b""
+        huge = (framed.MAX_FRAME_BYTES + 1).to_bytes(4, "big")
+        assert await raw_connection(server.port, PREAMBLE + huge) == b""
+        assert await raw_connection(server.port, PREAMBLE + b"\x00\x00\x00\x03\xff\xff\xff") == b""
+        # And the server goes on serving well-formed clients.
+        call = await connect(server.port)
+        await call.write(ops(7))
+        message = await call.read()
+        assert [e.id for e in message.events] == [7]
+        call.cancel()
+        await eventually(lambda: echo.closed == echo.opened, what="every stream closed")
+
+
+async def test_a_client_that_goes_away_stops_its_stream() -> None:
+    async with echo_server() as (server, echo):
+        call = await connect(server.port)
+        await call.write(ops(1))
+        await call.read()
+        assert echo.closed == 0
+        assert call.cancel()
+        await eventually(lambda: echo.closed == 1, what="the server's stream stopped")
+
+
+async def test_a_server_that_closes_ends_the_call_and_later_writes_fail_unavailable() -> None:
+    gate = asyncio.Event()
+
+    async def serve(
+        requests: AsyncIterator[worker_pb2.TurnOps],
+    ) -> AsyncIterator[worker_pb2.TurnEvents]:
+        async for _ in requests:
+            yield worker_pb2.TurnEvents()  # the first answer, then held
+            await gate.wait()
+
+    server: FramedServer[worker_pb2.TurnOps, worker_pb2.TurnEvents] = FramedServer(
+        serve, preamble=PREAMBLE, parse=worker_pb2.TurnOps.FromString, name="held"
+    )
+    await server.start("127.0.0.1", 0)
+    call = await connect(server.port)
+    await call.write(ops(1))
+    assert await call.read() == worker_pb2.TurnEvents()  # all it sent has been read
+    reading = asyncio.create_task(call.read())
+    await server.close()  # its open streams are ended, the connection closed
+    assert await reading is grpc.aio.EOF
+    await eventually(lambda: call._connection.lost, what="the connection closed")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.write(ops(1))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(OSError):
+        await connect(server.port)  # and nothing listens any more
+
+
+async def test_a_message_over_the_frame_limit_is_refused_as_resource_exhausted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with echo_server() as (server, _):
+        call = await connect(server.port)
+        monkeypatch.setattr(framed, "MAX_FRAME_BYTES", 64)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call.write(ops(*range(100)))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("target", "host"),
+    [
+        ("127.0.0.1:50052", "127.0.0.1"),
+        ("ipv4:10.0.0.7:50052", "10.0.0.7"),
+        ("dns:///rollgate-dataproxy:50052", "rollgate-dataproxy"),
+        ("dns://8.8.8.8/dataproxy.ns.svc:50052", "dataproxy.ns.svc"),
+        ("dns:dataproxy:50052", "dataproxy"),
+        ("[::1]:50052", "::1"),
+        ("ipv6:[fe80::1]:50052", "fe80::1"),
+        ("unix:/tmp/dp.sock", None),
+        ("ipv4:127.0.0.1:1,127.0.0.1:2", None),
+        ("dataproxy", None),
+        ("::1", None),
+    ],
+)
+def test_framed_host_takes_the_host_of_a_grpc_target(target: str, host: str | None) -> None:
+    assert framed_host(target) == host
+
+
+class Grpc:
+    """Stands for a gRPC stream call: PeerStream only opens it (the choice is under test)."""
+
+    opened = 0
+
+    def __call__(self) -> Grpc:
+        self.opened += 1
+        return self
+
+    def cancel(self) -> bool:
+        return True
+
+
+def peer(endpoint: object, grpc_call: Grpc, *, host: str | None = "127.0.0.1") -> PeerStream:
+    return PeerStream(
+        open_grpc=grpc_call,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        host=host,
+        preamble=PREAMBLE,
+        parse=worker_pb2.TurnEvents.FromString,
+        peer="echo",
+    )
+
+
+async def test_peer_stream_is_framed_when_offered_and_grpc_otherwise() -> None:
+    async with echo_server() as (server, _):
+
+        async def offered() -> int:
+            return server.port
+
+        async def none() -> int:
+            return 0
+
+        async def unimplemented() -> int:
+            raise framed.rpc_error(grpc.StatusCode.UNIMPLEMENTED, "old peer")
+
+        async def closed_port() -> int:
+            return free_port()
+
+        async def down() -> int:
+            raise framed.rpc_error(grpc.StatusCode.UNAVAILABLE, "peer down")
+
+        grpc_call = Grpc()
+        stream = peer(offered, grpc_call)
+        await stream.write(ops(3))
+        assert [e.id for e in (await stream.read()).events] == [3]
+        assert stream.transport == "framed" and grpc_call.opened == 0
+        stream.cancel()
+
+        for endpoint in (none, unimplemented, closed_port):
+            grpc_call = Grpc()
+            stream = peer(endpoint, grpc_call)
+            assert await stream._opening is grpc_call
+            assert stream.transport == "grpc"
+        grpc_call = Grpc()
+        stream = peer(offered, grpc_call, host=None)  # a target a plain connection can't reach
+        assert await stream._opening is grpc_call
+
+        stream = peer(down, Grpc())
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stream.read()
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
