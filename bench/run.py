@@ -243,6 +243,13 @@ def _serve_http(argv: list[str], log: Path) -> tuple[subprocess.Popen[bytes], st
     raise RuntimeError(f"{argv[:3]} did not start:\n{log.read_text()[-2000:]}")
 
 
+def _assignment(raw: str) -> tuple[str, str]:
+    name, sep, value = raw.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not NAME=VALUE")
+    return name, value
+
+
 @contextlib.contextmanager
 def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Environment]:
     """Starts the mock, the floor and the stack for `cell`; stops them afterwards."""
@@ -273,7 +280,7 @@ def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Env
             upstream_kind="vllm",
             python=str(root / ".venv" / "bin" / "python"),
             state_dir=logs,
-            extra_env={"ROLLGATE_LOG_LEVEL": "warning"},
+            extra_env={"ROLLGATE_LOG_LEVEL": "warning", **dict(args.env)},
         )
         # The services are `python -m services.…` from `root` (their checkout, their venv).
         here = Path.cwd()
@@ -563,6 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--growth-turns", type=int, default=16)
     parser.add_argument(
         "--rollgate-root", default=str(REPO), help="checkout whose services (and .venv) run"
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=_assignment,
+        metavar="NAME=VALUE",
+        help="set for every service (repeatable), e.g. ROLLGATE_FRAMED_STREAMS=false",
     )
     args = parser.parse_args(argv)
     uvloop.install()

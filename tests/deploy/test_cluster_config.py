@@ -17,7 +17,13 @@ from services.router.settings import RouterSettings
 from services.worker.settings import WorkerSettings
 from stackconfig import load_config, sources_for
 from tests.deploy.conftest import Manifest
-from tests.deploy.test_kubernetes import component, env_config, of_kind, rollgate_deployments
+from tests.deploy.test_kubernetes import (
+    FRAMED_PORTS,
+    component,
+    env_config,
+    of_kind,
+    rollgate_deployments,
+)
 
 CONFIG_DIR = "/etc/rollgate"
 CONFIG_FILE = "rollgate.yaml"
@@ -121,6 +127,10 @@ def test_each_service_gets_its_settings_from_the_file_and_the_environment(
             assert settings.router_addr == "rollgate-router:50051"
         if service == "gateway":
             assert settings.dataproxy_addr == "rollgate-dataproxy:50052"
+            assert settings.framed_streams is True
+        if service in FRAMED_PORTS:
+            # The value the real loader reads, not only the string in the manifest.
+            assert settings.framed_port == FRAMED_PORTS[service]
         if service == "dataproxy":
             assert settings.refresh_timeout_s == 120.0
             assert settings.session_idle_timeout_s == 3600.0

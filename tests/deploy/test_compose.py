@@ -1,5 +1,6 @@
 """docker-compose.yml validates against the vendored Compose Specification schema and keeps its
-promises: Redis AOF on a volume, two workers, health-ordered start, keys only from .env."""
+promises: Redis AOF on a volume, two workers, health-ordered start, keys only from .env, the
+framed streams on fixed internal ports."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 
 from services.runtime.grpc_server import STOP_NOTICE_S
 from tests.deploy.conftest import REPO
+from tests.deploy.test_kubernetes import FRAMED_PORT_VARIABLES, FRAMED_PORTS
 
 SCHEMA = Path(__file__).with_name("compose-spec.json")
 INTERPOLATION = re.compile(r"\$\{([A-Z0-9_]+)(?::?[-?+][^}]*)?\}")
@@ -32,6 +34,11 @@ def compose() -> dict[str, Any]:
 def rollgate_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The services that run the rollgate image (everything but Redis)."""
     return {n: s for n, s in compose["services"].items() if "rollgate" in s.get("image", "")}
+
+
+def container_ports(service: dict[str, Any]) -> set[str]:
+    """The container side of each port a service publishes on the host."""
+    return {str(p).rsplit(":", 1)[1] for p in service.get("ports", [])}
 
 
 def seconds(duration: str) -> float:
@@ -101,6 +108,32 @@ def test_each_worker_advertises_its_own_service_name(compose: dict[str, Any]) ->
         assert env["ROLLGATE_ROUTER_ADDR"] == "router:50051"
         ids.add(env["ROLLGATE_WORKER_ID"])
     assert len(ids) == len(workers) == 2
+
+
+def test_dataproxy_and_workers_serve_framed_on_fixed_ports_never_published(
+    compose: dict[str, Any],
+) -> None:
+    services = rollgate_services(compose)
+    modules = {"services.dataproxy": "dataproxy", "services.worker": "worker"}
+    seen = []
+    for name, service in services.items():
+        kind = modules.get(service["command"][0])
+        if kind is None:
+            continue
+        command = service["command"]
+        port = service["environment"][FRAMED_PORT_VARIABLES[kind]]
+        # The same fixed port as the Kubernetes manifests: explicit, easy to find in a capture.
+        assert port == str(FRAMED_PORTS[kind]), name
+        own = {command[command.index(flag) + 1] for flag in ("--port", "--metrics-port")}
+        assert port not in own, name
+        # Internal, like the workers' gRPC port: only the gateway connects, over the network.
+        assert port not in container_ports(service), name
+        seen.append(kind)
+    assert sorted(seen) == ["dataproxy", "worker", "worker"]
+    gateway = services["gateway"]["environment"]
+    assert gateway.get("ROLLGATE_FRAMED_STREAMS", "true") == "true"
+    # The gateway connects to the host it reaches each peer's gRPC at: service names here.
+    assert gateway["ROLLGATE_DATAPROXY_ADDR"].rsplit(":", 1)[0] in services
 
 
 def test_the_mock_llm_is_the_default_upstream(compose: dict[str, Any]) -> None:

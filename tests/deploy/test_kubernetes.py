@@ -28,6 +28,13 @@ STABLE_SELECTOR_KEYS = {
     "rollgate.dev/upstream",
 }
 PORTS = {"gateway": 8080, "router": 50051, "dataproxy": 50052, "worker": 50061}
+# Where the dataproxy and the workers serve DataProxy.Ledger and Worker.Turns framed
+# (services/runtime/framed.py), and the variable that tells them; only gateways connect.
+FRAMED_PORTS = {"dataproxy": 50062, "worker": 50063}
+FRAMED_PORT_VARIABLES = {
+    "dataproxy": "ROLLGATE_DATAPROXY_FRAMED_PORT",
+    "worker": "ROLLGATE_WORKER_FRAMED_PORT",
+}
 
 
 def of_kind(objects: list[Manifest], kind: str) -> list[Manifest]:
@@ -57,6 +64,11 @@ def containers(objects: list[Manifest]) -> Iterator[tuple[Manifest, dict[str, An
         pod = workload["spec"]["template"]["spec"]
         for container in pod.get("initContainers", []) + pod["containers"]:
             yield workload, container
+
+
+def service_ports(name: str) -> set[int]:
+    """Every port a component serves its callers on (never its metrics port)."""
+    return {PORTS[name]} | ({FRAMED_PORTS[name]} if name in FRAMED_PORTS else set())
 
 
 def env_config(objects: list[Manifest]) -> dict[str, str]:
@@ -242,6 +254,49 @@ def test_workers_advertise_their_pod_ip_and_are_named_after_the_pod(
         assert container["args"][:1] == ["services.worker"]
 
 
+def test_dataproxy_and_workers_are_told_the_framed_port_they_declare(
+    overlay: list[Manifest],
+) -> None:
+    seen = set()
+    for deployment in rollgate_deployments(overlay):
+        name = component(deployment)
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        if name not in FRAMED_PORTS:
+            assert "framed" not in declared, name
+            assert not set(FRAMED_PORT_VARIABLES.values()) & set(env), name
+            continue
+        # A fixed port, never 0 (any free port): NetworkPolicies and Services name it.
+        assert env[FRAMED_PORT_VARIABLES[name]] == str(FRAMED_PORTS[name]), name
+        assert declared["framed"] == FRAMED_PORTS[name], name
+        # Its own port: not the gRPC port, not the metrics port.
+        assert len(set(declared.values())) == len(declared), (name, declared)
+        seen.add(name)
+    assert seen == set(FRAMED_PORTS)
+    # Nothing turns the gateways' framed streams off.
+    assert "ROLLGATE_FRAMED_STREAMS" not in env_config(overlay)
+
+
+def test_the_dataproxy_service_carries_the_framed_port_with_the_pods_number(
+    overlay: list[Manifest],
+) -> None:
+    services = {s["metadata"]["name"]: s for s in of_kind(overlay, "Service")}
+    # The gateway reaches the dataproxy through its Service (ROLLGATE_DATAPROXY_ADDR), on the
+    # port number a pod reports (LedgerEndpoint): the Service must forward that very number.
+    ports = {p["name"]: p for p in services["rollgate-dataproxy"]["spec"]["ports"]}
+    assert ports["framed"]["port"] == FRAMED_PORTS["dataproxy"]
+    assert ports["framed"]["targetPort"] == "framed"
+    assert ports["framed"].get("protocol", "TCP") == "TCP"
+    # The workers' headless Service lists it too (the gateway dials pod IPs, tooling reads it).
+    worker_ports = {p["name"]: p["port"] for p in services["rollgate-worker"]["spec"]["ports"]}
+    assert worker_ports["framed"] == FRAMED_PORTS["worker"]
+    for name in ROLLGATE_COMPONENTS:
+        assert {p["port"] for p in services[f"rollgate-{name}"]["spec"]["ports"]} == (
+            service_ports(name)
+        ), name
+
+
 def test_keys_come_only_from_the_rollgate_secrets_secret(overlay: list[Manifest]) -> None:
     for _, container in containers(overlay):
         for entry in container.get("env", []):
@@ -367,12 +422,14 @@ def test_prod_network_policies_let_agents_reach_only_the_gateway(prod: list[Mani
     agent = Peer(labels={"app": "openclaw"}, same_namespace=False)
     assert ingress_allowed(policies, pod_labels(prod, "gateway"), agent, 8080)
     for name in ("router", "dataproxy", "worker"):
-        assert not ingress_allowed(policies, pod_labels(prod, name), agent, PORTS[name]), name
+        for port in service_ports(name):
+            assert not ingress_allowed(policies, pod_labels(prod, name), agent, port), name
     assert not ingress_allowed(policies, {"app.kubernetes.io/name": "redis"}, agent, 6379)
     # Even an unlabelled pod inside the namespace gets nowhere but the gateway.
     stranger = Peer(labels={"app": "debug"})
     for name in ("router", "dataproxy", "worker"):
-        assert not ingress_allowed(policies, pod_labels(prod, name), stranger, PORTS[name]), name
+        for port in service_ports(name):
+            assert not ingress_allowed(policies, pod_labels(prod, name), stranger, port), name
     # And anything else deployed in the namespace is closed by default.
     assert not ingress_allowed(policies, {"app": "future-thing"}, stranger, 9000)
 
@@ -385,8 +442,11 @@ def test_prod_network_policies_let_only_trainer_pods_reach_the_trainer_port(
     trainer = Peer(labels={"rollgate.dev/role": "trainer"}, same_namespace=False)
     assert ingress_allowed(policies, dataproxy, trainer, 50052)
     assert not ingress_allowed(policies, dataproxy, Peer(same_namespace=False), 50052)
+    # The Trainer service shares 50052 with the DataProxy; the framed Ledger port is not theirs.
+    assert not ingress_allowed(policies, dataproxy, trainer, FRAMED_PORTS["dataproxy"])
     for name in ("router", "worker"):
-        assert not ingress_allowed(policies, pod_labels(prod, name), trainer, PORTS[name])
+        for port in service_ports(name):
+            assert not ingress_allowed(policies, pod_labels(prod, name), trainer, port), name
     assert not ingress_allowed(policies, {"app.kubernetes.io/name": "redis"}, trainer, 6379)
 
 
@@ -403,8 +463,61 @@ def test_prod_network_policies_allow_the_request_path_and_only_it(prod: list[Man
     for source in ROLLGATE_COMPONENTS:
         for target in ROLLGATE_COMPONENTS - {"gateway", source}:
             expected = (source, target) in allowed
-            got = ingress_allowed(policies, pod_labels(prod, target), peer[source], PORTS[target])
-            assert got == expected, (source, target)
+            # The framed ports too: the gateway's framed streams to the dataproxy and workers.
+            for port in service_ports(target):
+                got = ingress_allowed(policies, pod_labels(prod, target), peer[source], port)
+                assert got == expected, (source, target, port)
+
+
+def test_prod_network_policies_let_only_the_gateway_reach_the_framed_ports(
+    prod: list[Manifest],
+) -> None:
+    policies = of_kind(prod, "NetworkPolicy")
+    gateway = Peer(labels=pod_labels(prod, "gateway"))
+    others = [
+        Peer(labels={"rollgate.dev/role": "trainer"}, same_namespace=False),
+        # A trainer pod in rollgate's own namespace gets no further.
+        Peer(labels={"rollgate.dev/role": "trainer"}),
+        Peer(labels={"app.kubernetes.io/name": "prometheus"}, same_namespace=False),
+        Peer(labels={"app": "openclaw"}, same_namespace=False),
+        Peer(labels={"app": "debug"}),
+        # A gateway's labels from another namespace are not the gateway.
+        Peer(labels=pod_labels(prod, "gateway"), same_namespace=False),
+        *(Peer(labels=pod_labels(prod, name)) for name in ROLLGATE_COMPONENTS - {"gateway"}),
+    ]
+    for name, port in FRAMED_PORTS.items():
+        target = pod_labels(prod, name)
+        # Without it the gateway logs framed_stream_unreachable_using_grpc and goes slower.
+        assert ingress_allowed(policies, target, gateway, port), name
+        for peer in others:
+            assert not ingress_allowed(policies, target, peer, port), (name, peer)
+    # Every worker Deployment's pods, not only the first one's.
+    for worker in rollgate_deployments(prod):
+        if component(worker) == "worker":
+            labels = worker["spec"]["template"]["metadata"]["labels"]
+            assert ingress_allowed(policies, labels, gateway, FRAMED_PORTS["worker"])
+
+
+def test_prod_network_policies_open_every_port_a_rollgate_pod_declares(
+    prod: list[Manifest],
+) -> None:
+    policies = of_kind(prod, "NetworkPolicy")
+    callers = [
+        Peer(labels={"app": "openclaw"}, same_namespace=False),
+        Peer(labels={"rollgate.dev/role": "trainer"}, same_namespace=False),
+        Peer(labels={"app.kubernetes.io/name": "prometheus"}, same_namespace=False),
+        *(Peer(labels=pod_labels(prod, name)) for name in ROLLGATE_COMPONENTS),
+    ]
+    # A port a pod serves on that no policy opens would be dead in prod (and a framed one
+    # would only show up as a warning and a slower gateway).
+    for deployment in rollgate_deployments(prod):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        for port in container["ports"]:
+            assert any(
+                ingress_allowed(policies, labels, caller, port["containerPort"])
+                for caller in callers
+            ), (deployment["metadata"]["name"], port)
 
 
 def test_prod_network_policies_let_only_router_and_dataproxy_reach_redis(

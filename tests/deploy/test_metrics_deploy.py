@@ -14,12 +14,12 @@ import yaml
 from tests.deploy.conftest import OVERLAYS, REPO, Manifest, render
 from tests.deploy.network_policy import Peer, ingress_allowed
 from tests.deploy.test_kubernetes import (
-    PORTS,
     ROLLGATE_COMPONENTS,
     component,
     of_kind,
     pod_labels,
     rollgate_deployments,
+    service_ports,
 )
 
 METRICS_PORTS = {"gateway": 9080, "router": 9051, "dataproxy": 9052, "worker": 9061}
@@ -40,7 +40,7 @@ def test_every_service_is_told_its_metrics_port_and_declares_it(overlay: list[Ma
         assert port == METRICS_PORTS[name]
         declared = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert declared["metrics"] == port
-        assert port != PORTS[name]
+        assert port not in service_ports(name)
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == str(port)
@@ -81,9 +81,10 @@ def test_prod_lets_prometheus_and_only_prometheus_reach_the_metrics_ports(
         assert ingress_allowed(policies, target, PROMETHEUS, METRICS_PORTS[name]), name
         for stranger in strangers:
             assert not ingress_allowed(policies, target, stranger, METRICS_PORTS[name]), name
-        # Prometheus gets the metrics port only: never a service's own port.
+        # Prometheus gets the metrics port only: never a service's own ports (framed included).
         if name != "gateway":
-            assert not ingress_allowed(policies, target, PROMETHEUS, PORTS[name]), name
+            for port in service_ports(name):
+                assert not ingress_allowed(policies, target, PROMETHEUS, port), (name, port)
     # The other services' pods still cannot reach each other's metrics ports.
     gateway = Peer(labels=pod_labels(prod, "gateway"))
     assert not ingress_allowed(policies, pod_labels(prod, "dataproxy"), gateway, 9052)
