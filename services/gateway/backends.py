@@ -77,7 +77,12 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
             Replica(_dataproxy_stub(c), channel=c, address=a)
             for c, a in zip(ledger_channels, addresses, strict=False)
         ] or [Replica(dataproxy, address=settings.dataproxy_addr)]
-        ledger = LedgerClient(*replicas, framed=settings.framed_streams)
+        metrics = app.get(TURN_METRICS)
+        ledger = LedgerClient(
+            *replicas,
+            framed=settings.framed_streams,
+            on_open=metrics.stream_opened if metrics is not None else None,
+        )
         try:
             app[BACKENDS] = Backends(
                 router=router,
@@ -93,7 +98,7 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
                 ledger=ledger,
                 workers=workers,
                 rpc_timeout_s=settings.rpc_timeout_s,
-                metrics=app.get(TURN_METRICS),
+                metrics=metrics,
                 framed_streams=settings.framed_streams,
             )
             log.info(

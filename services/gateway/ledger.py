@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,6 +139,7 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
             preamble=LEDGER_PREAMBLE,
             parse=dataproxy_pb2.LedgerResponses.FromString,
             peer="dataproxy",
+            on_open=ledger._on_open,
         )
         super().__init__(self.call, name="ledger")
 
@@ -216,12 +217,19 @@ def _error_of(err: Exception) -> RollgateError:
 class LedgerClient:
     """Begin, record and release over one ledger stream per dataproxy replica."""
 
-    def __init__(self, *replicas: DataProxyAsyncStub | Replica, framed: bool = True) -> None:
+    def __init__(
+        self,
+        *replicas: DataProxyAsyncStub | Replica,
+        framed: bool = True,
+        on_open: Callable[[str, str], None] | None = None,
+    ) -> None:
         if not replicas:
             raise ValueError("a ledger needs at least one dataproxy")
         self._replicas = [r if isinstance(r, Replica) else Replica(r) for r in replicas]
-        # Framed streams where the replicas offer them (services/runtime/framed.py).
+        # Framed streams where the replicas offer them (services/runtime/framed.py); each
+        # stream's (peer, transport) goes to `on_open` as it opens.
         self._framed = framed
+        self._on_open = on_open
         self._streams: list[_Stream | None] = [None] * len(self._replicas)
         # ticket → the replica that admitted it (its record and release go there first).
         self._admitted_by: dict[bytes, int] = {}

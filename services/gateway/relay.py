@@ -317,7 +317,11 @@ class TurnRelay:
         self._routes = routes
         self._ledger = ledger
         # One Turns stream per worker, on the pool's channels (framed where offered).
-        self._workers = WorkerTurns(workers, framed=framed_streams)
+        self._workers = WorkerTurns(
+            workers,
+            framed=framed_streams,
+            on_open=metrics.stream_opened if metrics is not None else None,
+        )
         self._rpc_timeout_s = rpc_timeout_s
         self._metrics = metrics
 

@@ -22,6 +22,10 @@ ADDED_BUCKETS = (
 class TurnMetrics:
     """Counted by this gateway replica (summing over replicas is right)."""
 
+    def stream_opened(self, peer: str, transport: str) -> None:
+        """A Turns or Ledger stream was opened (services/runtime/framed.py, PeerStream)."""
+        self.peer_streams.labels(peer=peer, transport=transport).inc()
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.turns = Counter(
             "rollgate_gateway_turns",
@@ -54,6 +58,13 @@ class TurnMetrics:
             "rollgate_gateway_added_time_to_first_token_seconds",
             "Time to first token minus the upstream's own: what rollgate adds before it.",
             buckets=ADDED_BUCKETS,
+            registry=registry,
+        )
+        self.peer_streams = Counter(
+            "rollgate_gateway_peer_streams",
+            "Streams opened to workers (Turns) and dataproxies (Ledger), by peer and transport: "
+            "framed, or grpc (the peer offers none, or its framed port could not be reached).",
+            ["peer", "transport"],
             registry=registry,
         )
         self.tokens = Counter(

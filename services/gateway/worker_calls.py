@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import grpc
 
@@ -169,7 +170,14 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
     A stopping stream (its worker said it is shutting down) takes no new turns.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, *, framed: bool) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        address: str,
+        *,
+        framed: bool,
+        on_open: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._turns: dict[int, WorkerTurn] = {}
         stub = worker_pb2_grpc.WorkerStub(channel)
 
@@ -186,6 +194,7 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
             preamble=TURNS_PREAMBLE,
             parse=worker_pb2.TurnEvents.FromString,
             peer="worker",
+            on_open=on_open,
         )
         super().__init__(self.call, name="worker-turns")
 
@@ -259,10 +268,18 @@ def _rpc(err: Exception) -> bool:
 class WorkerTurns:
     """Turns over one `Turns` stream per worker address, on the workers' channels."""
 
-    def __init__(self, channels: ChannelPool, *, framed: bool = True) -> None:
+    def __init__(
+        self,
+        channels: ChannelPool,
+        *,
+        framed: bool = True,
+        on_open: Callable[[str, str], None] | None = None,
+    ) -> None:
         self._channels = channels
-        # Framed streams where the workers offer them (services/runtime/framed.py).
+        # Framed streams where the workers offer them (services/runtime/framed.py); each
+        # stream's (peer, transport) goes to `on_open` as it opens.
         self._framed = framed
+        self._on_open = on_open
         self._streams: dict[str, _WorkerStream] = {}
         self._ids = itertools.count(1)
 
@@ -279,7 +296,7 @@ class WorkerTurns:
         worker = self._streams.get(address)
         if worker is None or not worker.usable:
             worker = self._streams[address] = _WorkerStream(
-                self._channels.get(address), address, framed=self._framed
+                self._channels.get(address), address, framed=self._framed, on_open=self._on_open
             )
         start = worker_pb2.TurnStart(
             request=request,

@@ -293,7 +293,8 @@ def framed_host(target: str) -> str | None:
 
 class PeerStream:
     """The stream to a peer, the way `BatchedCall` drives a call: framed when the peer
-    offers it (`endpoint()` names its port, 0 or UNIMPLEMENTED: none), else `open_grpc()`.
+    offers it (`endpoint()` names its port, 0 or UNIMPLEMENTED: none), else `open_grpc()`;
+    `on_open(peer, transport)` once it is open.
 
     Opening runs in the background; `write` and `read` wait for it. An endpoint call that fails
     otherwise (the peer is down) fails the stream as the gRPC call would have; a port that
@@ -310,8 +311,11 @@ class PeerStream:
         preamble: bytes,
         parse: Callable[[bytes], Any],
         peer: str,
+        on_open: Callable[[str, str], None] | None = None,
     ) -> None:
         self._open_grpc = open_grpc
+        # Called with (peer, transport) once the stream is open (the gateway's metrics).
+        self._on_open = on_open
         self._endpoint = endpoint if host else None
         self._host = host or ""
         self._preamble = preamble
@@ -342,12 +346,16 @@ class PeerStream:
                     error=type(err).__name__,
                 )
             else:
-                self.transport = "framed"
-                log.info("peer_stream_opened", peer=self.peer, transport="framed", port=port)
+                self._opened("framed", port=port)
                 return call
-        self.transport = "grpc"
-        log.info("peer_stream_opened", peer=self.peer, transport="grpc")
+        self._opened("grpc")
         return self._open_grpc()
+
+    def _opened(self, transport: str, **fields: Any) -> None:
+        self.transport = transport
+        log.info("peer_stream_opened", peer=self.peer, transport=transport, **fields)
+        if self._on_open is not None:
+            self._on_open(self.peer, transport)
 
     async def write(self, message: Message) -> None:
         call = await self._opening

@@ -4,10 +4,12 @@ the real processes: the same turns answered and recorded whichever transport car
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rollgate.stack import Stack
 from tests.end_to_end.test_walkthrough import chat_body, request, run_example, stderr_vars
@@ -52,6 +54,19 @@ def _opened(stack: Stack) -> dict[str, set[str]]:
     return opened
 
 
+def _streams_counted(stack: Stack) -> dict[tuple[str, str], float]:
+    """(peer, transport) → streams opened, from the gateway's /metrics."""
+    with urllib.request.urlopen(stack.metrics_urls()["gateway"], timeout=10) as page:
+        text = page.read().decode()
+    return {
+        (sample.labels["peer"], sample.labels["transport"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "rollgate_gateway_peer_streams"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
 def test_turns_are_answered_and_recorded_on_either_transport(
     configured: tuple[Stack, str],
 ) -> None:
@@ -78,3 +93,6 @@ def test_turns_are_answered_and_recorded_on_either_transport(
     assert all(i.output_token_ids_bytes for i in interactions)
     assert interactions[0].output["content"] == answer
     assert _opened(stack) == {"worker": {transport}, "dataproxy": {transport}}
+    counted = _streams_counted(stack)
+    assert set(counted) == {("worker", transport), ("dataproxy", transport)}, counted
+    assert all(count >= 1 for count in counted.values())
