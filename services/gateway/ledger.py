@@ -39,7 +39,7 @@ from services.runtime.errors import (
     from_payload,
     from_rpc_error,
 )
-from services.runtime.framed import LEDGER_PREAMBLE, PeerStream, framed_host
+from services.runtime.framed import LEDGER_PREAMBLE, PeerStream
 from services.runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -125,17 +125,10 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
         self._ledger = ledger
         self._pending: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
         stub = replica.stub
-
-        async def endpoint() -> int:
-            answer = await stub.LedgerEndpoint(
-                common_pb2.FramedEndpointRequest(), timeout=CONNECT_WAIT_S
-            )
-            return int(answer.port)
-
         self.call = PeerStream(
             open_grpc=stub.Ledger,
-            endpoint=endpoint if framed else None,
-            host=framed_host(replica.address) if replica.address else None,
+            endpoint=stub.LedgerEndpoint if framed and replica.address else None,
+            address=replica.address,
             preamble=LEDGER_PREAMBLE,
             parse=dataproxy_pb2.LedgerResponses.FromString,
             peer="dataproxy",

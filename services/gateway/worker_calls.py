@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos import worker_pb2, worker_pb2_grpc
 from services.gateway.duplex import BatchedCall
 from services.runtime.errors import (
     RollgateError,
@@ -31,7 +31,7 @@ from services.runtime.errors import (
     from_payload,
     from_rpc_error,
 )
-from services.runtime.framed import TURNS_PREAMBLE, PeerStream, framed_host
+from services.runtime.framed import TURNS_PREAMBLE, PeerStream
 from services.runtime.grpc_client import ChannelPool
 from services.runtime.logs import get_logger
 
@@ -42,8 +42,6 @@ WINDOW_BYTES = 256 * 1024
 # A worker that is shutting down refuses new turns with this code: not started, reroutable.
 STOPPING_CODE = "worker_stopping"
 UNAVAILABLE_CODE = "worker_unavailable"
-# The deadline of the call that asks a worker where it serves its stream framed.
-ENDPOINT_TIMEOUT_S = 5.0
 
 
 def _unreachable() -> RollgateError:
@@ -180,17 +178,10 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
     ) -> None:
         self._turns: dict[int, WorkerTurn] = {}
         stub = worker_pb2_grpc.WorkerStub(channel)
-
-        async def endpoint() -> int:
-            answer = await stub.TurnsEndpoint(
-                common_pb2.FramedEndpointRequest(), timeout=ENDPOINT_TIMEOUT_S
-            )
-            return int(answer.port)
-
         self.call = PeerStream(
             open_grpc=stub.Turns,
-            endpoint=endpoint if framed else None,
-            host=framed_host(address),
+            endpoint=stub.TurnsEndpoint if framed else None,
+            address=address,
             preamble=TURNS_PREAMBLE,
             parse=worker_pb2.TurnEvents.FromString,
             peer="worker",

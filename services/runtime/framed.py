@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar, cast
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from protos import common_pb2
 from services.runtime.grpc_server import MAX_MESSAGE_BYTES
 from services.runtime.logs import get_logger
 from services.runtime.tasks import cancel_and_wait
@@ -46,6 +47,8 @@ _SIZE = struct.Struct(">I")
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 # A connection that cannot be made in this long is given up (the gRPC stream is used).
 CONNECT_TIMEOUT_S = 2.0
+# The deadline of the call that asks a peer where it serves its stream framed.
+ENDPOINT_TIMEOUT_S = 5.0
 # Dead peers (a node gone without a reset) are found like the gRPC channels' keepalive does.
 _KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 
@@ -292,9 +295,10 @@ def framed_host(target: str) -> str | None:
 
 
 class PeerStream:
-    """The stream to a peer, the way `BatchedCall` drives a call: framed when the peer
-    offers it (`endpoint()` names its port, 0 or UNIMPLEMENTED: none), else `open_grpc()`;
-    `on_open(peer, transport)` once it is open.
+    """The stream to the peer at `address` (a gRPC target), the way `BatchedCall` drives a
+    call: framed when the peer offers it (its `endpoint` call, `Worker.TurnsEndpoint` or
+    `DataProxy.LedgerEndpoint`, names the port; 0 or UNIMPLEMENTED: none; None: not asked),
+    else `open_grpc()`; `on_open(peer, transport)` once it is open.
 
     Opening runs in the background; `write` and `read` wait for it. An endpoint call that fails
     otherwise (the peer is down) fails the stream as the gRPC call would have; a port that
@@ -306,8 +310,8 @@ class PeerStream:
         self,
         *,
         open_grpc: Callable[[], Any],
-        endpoint: Callable[[], Awaitable[int]] | None,
-        host: str | None,
+        endpoint: Callable[..., Awaitable[Any]] | None,
+        address: str,
         preamble: bytes,
         parse: Callable[[bytes], Any],
         peer: str,
@@ -316,6 +320,7 @@ class PeerStream:
         self._open_grpc = open_grpc
         # Called with (peer, transport) once the stream is open (the gateway's metrics).
         self._on_open = on_open
+        host = framed_host(address) if address else None
         self._endpoint = endpoint if host else None
         self._host = host or ""
         self._preamble = preamble
@@ -329,7 +334,10 @@ class PeerStream:
         port = 0
         if self._endpoint is not None:
             try:
-                port = await self._endpoint()
+                answer = await self._endpoint(
+                    common_pb2.FramedEndpointRequest(), timeout=ENDPOINT_TIMEOUT_S
+                )
+                port = int(answer.port)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise

@@ -205,6 +205,13 @@ def test_framed_host_takes_the_host_of_a_grpc_target(target: str, host: str | No
     assert framed_host(target) == host
 
 
+class Answer:
+    """What the endpoint call answers (FramedEndpointResponse's one field)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+
 class Grpc:
     """Stands for a gRPC stream call: PeerStream only opens it (the choice is under test)."""
 
@@ -218,11 +225,11 @@ class Grpc:
         return True
 
 
-def peer(endpoint: object, grpc_call: Grpc, *, host: str | None = "127.0.0.1") -> PeerStream:
+def peer(endpoint: object, grpc_call: Grpc, *, address: str = "127.0.0.1:1") -> PeerStream:
     return PeerStream(
         open_grpc=grpc_call,
         endpoint=endpoint,  # type: ignore[arg-type]
-        host=host,
+        address=address,
         preamble=PREAMBLE,
         parse=worker_pb2.TurnEvents.FromString,
         peer="echo",
@@ -232,19 +239,19 @@ def peer(endpoint: object, grpc_call: Grpc, *, host: str | None = "127.0.0.1") -
 async def test_peer_stream_is_framed_when_offered_and_grpc_otherwise() -> None:
     async with echo_server() as (server, _):
 
-        async def offered() -> int:
-            return server.port
+        async def offered(request: object, **options: float) -> Answer:
+            return Answer(server.port)
 
-        async def none() -> int:
-            return 0
+        async def none(request: object, **options: float) -> Answer:
+            return Answer(0)
 
-        async def unimplemented() -> int:
+        async def unimplemented(request: object, **options: float) -> Answer:
             raise framed.rpc_error(grpc.StatusCode.UNIMPLEMENTED, "old peer")
 
-        async def closed_port() -> int:
-            return free_port()
+        async def closed_port(request: object, **options: float) -> Answer:
+            return Answer(free_port())
 
-        async def down() -> int:
+        async def down(request: object, **options: float) -> Answer:
             raise framed.rpc_error(grpc.StatusCode.UNAVAILABLE, "peer down")
 
         grpc_call = Grpc()
@@ -260,7 +267,7 @@ async def test_peer_stream_is_framed_when_offered_and_grpc_otherwise() -> None:
             assert await stream._opening is grpc_call
             assert stream.transport == "grpc"
         grpc_call = Grpc()
-        stream = peer(offered, grpc_call, host=None)  # a target a plain connection can't reach
+        stream = peer(offered, grpc_call, address="unix:/tmp/x.sock")  # no plain connection
         assert await stream._opening is grpc_call
 
         stream = peer(down, Grpc())
