@@ -15,6 +15,7 @@ from protos import worker_pb2
 from rollgate.redis_server import free_port
 from services.runtime import framed
 from services.runtime.framed import FramedCall, FramedServer, PeerStream, framed_host
+from services.runtime.settings import Sources, framed_port
 from tests.harness.poll import eventually
 
 PREAMBLE = b"rollgate-framed/1 test/Echo\n"
@@ -274,3 +275,28 @@ async def test_peer_stream_is_framed_when_offered_and_grpc_otherwise() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stream.read()
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(
+    ("raw", "port"), [("", 0), ("0", 0), ("50063", 50063), ("off", None), (" OFF ", None)]
+)
+def test_the_framed_port_setting(raw: str, port: int | None) -> None:
+    environ = {"ROLLGATE_WORKER_FRAMED_PORT": raw} if raw else {}
+    assert framed_port(Sources(environ=environ), "worker") == port
+
+
+@pytest.mark.parametrize("raw", ["-1", "65536", "fast", "5006x"])
+def test_a_framed_port_that_is_not_one_is_refused_naming_the_setting(raw: str) -> None:
+    with pytest.raises(ValueError, match="ROLLGATE_DATAPROXY_FRAMED_PORT") as caught:
+        framed_port(Sources(environ={"ROLLGATE_DATAPROXY_FRAMED_PORT": raw}), "dataproxy")
+    assert "0 for any free one, or off" in str(caught.value)
+
+
+async def test_a_framed_port_in_use_fails_the_start_saying_what_to_do() -> None:
+    async with echo_server() as (taken, _):
+        server: FramedServer[worker_pb2.TurnOps, worker_pb2.TurnEvents] = FramedServer(
+            Echo().serve, preamble=PREAMBLE, parse=worker_pb2.TurnOps.FromString, name="worker"
+        )
+        with pytest.raises(OSError, match=r"worker: cannot listen on 127\.0\.0\.1:\d+") as caught:
+            await server.start("127.0.0.1", taken.port)
+        assert "choose another port, or `off`" in str(caught.value)
