@@ -73,10 +73,13 @@ async def backends_ctx(app: web.Application) -> AsyncIterator[None]:
         # ledger.py), which one shared round-robin channel could not promise.
         addresses = target_addresses(settings.dataproxy_addr)
         ledger_channels = [open_channel(a) for a in addresses] if len(addresses) > 1 else []
-        replicas = [
-            Replica(_dataproxy_stub(c), channel=c, address=a)
-            for c, a in zip(ledger_channels, addresses, strict=False)
-        ] or [Replica(dataproxy, address=settings.dataproxy_addr)]
+        if ledger_channels:
+            replicas = [
+                Replica(_dataproxy_stub(c), channel=c, address=a)
+                for c, a in zip(ledger_channels, addresses, strict=True)
+            ]
+        else:
+            replicas = [Replica(dataproxy, address=settings.dataproxy_addr)]
         metrics = app.get(TURN_METRICS)
         ledger = LedgerClient(
             *replicas,

@@ -121,7 +121,14 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
     records and releases of the turns it admitted still come here, its drain waits for them.
     """
 
-    def __init__(self, replica: Replica, ledger: LedgerClient, *, framed: bool) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        ledger: LedgerClient,
+        *,
+        framed: bool,
+        on_open: Callable[[str, str], None] | None,
+    ) -> None:
         self._ledger = ledger
         self._pending: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
         stub = replica.stub
@@ -132,7 +139,7 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
             preamble=LEDGER_PREAMBLE,
             parse=dataproxy_pb2.LedgerResponses.FromString,
             peer="dataproxy",
-            on_open=ledger._on_open,
+            on_open=on_open,
         )
         super().__init__(self.call, name="ledger")
 
@@ -339,7 +346,7 @@ class LedgerClient:
         stream = self._streams[replica]
         if stream is None or not stream.alive:
             stream = self._streams[replica] = _Stream(
-                self._replicas[replica], self, framed=self._framed
+                self._replicas[replica], self, framed=self._framed, on_open=self._on_open
             )
         return stream
 
