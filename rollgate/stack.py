@@ -39,6 +39,11 @@ _WIRED = frozenset(
 )
 # The variables that name a worker's upstream when there is no configuration file.
 _UPSTREAM_VARS = ("ROLLGATE_UPSTREAM_", "ROLLGATE_SGLANG_PATH")
+# Where the worker and the dataproxy serve their stream framed (services/runtime/framed.py).
+_FRAMED_PORT_VARS = {
+    "worker": "ROLLGATE_WORKER_FRAMED_PORT",
+    "dataproxy": "ROLLGATE_DATAPROXY_FRAMED_PORT",
+}
 
 
 class StackError(RuntimeError):
@@ -307,6 +312,11 @@ class Stack:
         upstream: str | None = None, **env: str,
     ) -> None:  # fmt: skip
         address = f"{self.config.host}:{port}"
+        framed = _FRAMED_PORT_VARS.get(kind)
+        if framed and not any(framed in e for e in (env, self.config.extra_env, os.environ)):
+            # A port of the stack's choosing, as every other one is: a framed listener bound
+            # to port 0 could take a port chosen for a service that has not started yet.
+            env[framed] = str(self._free_port())
         metrics_address = ""
         if kind in SERVICES:
             metrics_address = f"{self.config.host}:{self._free_port()}"

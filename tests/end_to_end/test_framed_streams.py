@@ -93,6 +93,17 @@ def test_turns_are_answered_and_recorded_on_either_transport(
     assert all(i.output_token_ids_bytes for i in interactions)
     assert interactions[0].output["content"] == answer
     assert _opened(stack) == {"worker": {transport}, "dataproxy": {transport}}
+    if transport == "framed":
+        # The stack chose each framed port itself (as it chooses every port), and there it is.
+        for name in ("dataproxy", "worker-1"):
+            service = stack.services[name]
+            variable = f"ROLLGATE_{service.kind.upper()}_FRAMED_PORT"
+            listening = [
+                event["port"]
+                for event in map(json.loads, service.log_path.read_text().splitlines())
+                if event.get("event") == "framed_stream_listening"
+            ]
+            assert listening == [int(service.env[variable])], name
     counted = _streams_counted(stack)
     assert set(counted) == {("worker", transport), ("dataproxy", transport)}, counted
     assert all(count >= 1 for count in counted.values())
