@@ -118,8 +118,8 @@ def ledger_metrics(rpc: RpcMetrics, on_error: ErrorHook) -> OpHook:
 
     def observe(op: str, code: str, seconds: float, message: str) -> None:
         method = f"Ledger.{op}"
-        rpc.handled.labels(grpc_service=service, grpc_method=method, grpc_code=code).inc()
-        rpc.duration.labels(grpc_service=service, grpc_method=method).observe(seconds)
+        rpc.handled_by(service, method, code).inc()
+        rpc.duration_by(service, method).observe(seconds)
         if code != "OK":
             on_error(f"/{service}/{method}", code, message)
 

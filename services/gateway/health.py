@@ -18,7 +18,7 @@ from protos import router_pb2
 from services.gateway.backends import BACKENDS, SETTINGS
 from services.gateway.http_errors import json_response
 from services.runtime.logs import get_logger
-from services.runtime.metrics import DURATION_BUCKETS
+from services.runtime.metrics import DURATION_BUCKETS, Children
 from services.runtime.tasks import cancel_and_wait
 
 log = get_logger(__name__)
@@ -47,12 +47,15 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        # Routes are the app's (unmatched paths count as one), methods and statuses bounded.
+        self._requests = Children(self.requests)
+        self._latency = Children(self.latency)
 
     def observe(self, *, route: str, method: str, status: int, duration_s: float) -> None:
         """Counts one finished request."""
-        labels = {"route": route, "method": method, "status": str(status)}
-        self.requests.labels(**labels).inc()
-        self.latency.labels(**labels).observe(duration_s)
+        labels = (route, method, str(status))
+        self._requests(*labels).inc()
+        self._latency(*labels).observe(duration_s)
 
     def refused_at_edge(self, method: str, status: int) -> None:
         """Counts a request the HTTP edge answered before routing (route `edge`; method

@@ -354,6 +354,8 @@ class LedgerClient:
         """The replica for an op: the route key's own, else the next one that can take it (an
         open stream, not stopping for a begin; or a connected channel), else the first not
         ruled out; None when all are (`tried`, or stopping for a begin)."""
+        if len(self._replicas) == 1:  # the usual case: nothing to choose
+            return None if 0 in tried or (begin and self._is_stopping(0)) else 0
         home = self._home(route_key)
         order = [(home + step) % len(self._replicas) for step in range(len(self._replicas))]
         candidates = [

@@ -219,8 +219,8 @@ def turn_metrics(rpc: RpcMetrics) -> TurnHook:
     method `Generate` or `Complete`."""
 
     def observe(method: str, code: str, seconds: float, message: str) -> None:
-        rpc.handled.labels(grpc_service=SERVICE_NAME, grpc_method=method, grpc_code=code).inc()
-        rpc.duration.labels(grpc_service=SERVICE_NAME, grpc_method=method).observe(seconds)
+        rpc.handled_by(SERVICE_NAME, method, code).inc()
+        rpc.duration_by(SERVICE_NAME, method).observe(seconds)
 
     return observe
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.runtime.errors import RollgateError
-from services.runtime.metrics import DURATION_BUCKETS, ServiceMetrics
+from services.runtime.metrics import DURATION_BUCKETS, Children, ServiceMetrics
 from services.worker.turn import TurnResult
 from services.worker.turns import TurnRunner
 
@@ -65,15 +65,16 @@ class WorkerMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self._turns = Children(self.turns)
+        self._tokens = Children(self.tokens)
+        self._exact = Children(self.exact)
 
     def finished(self, result: TurnResult, *, stream: bool) -> None:
         """Counts a turn whose record is ready."""
-        self.turns.labels(stream=_flag(stream), outcome="ok").inc()
-        self.tokens.labels(direction="in").inc(len(result.prompt_token_ids))
-        self.tokens.labels(direction="out").inc(
-            len(result.output_token_ids) or len(result.output_logprobs)
-        )
-        self.exact.labels(exact=_flag(result.exact_tokens)).inc()
+        self._turns(_flag(stream), "ok").inc()
+        self._tokens("in").inc(len(result.prompt_token_ids))
+        self._tokens("out").inc(len(result.output_token_ids) or len(result.output_logprobs))
+        self._exact(_flag(result.exact_tokens)).inc()
         if result.length_mismatch:
             self.mismatches.inc()
         self.upstream_latency.observe(result.latency_s)
@@ -82,7 +83,7 @@ class WorkerMetrics:
 
     def failed(self, err: RollgateError, *, stream: bool) -> None:
         """Counts a turn that failed (its code is bounded: the error tree's codes)."""
-        self.turns.labels(stream=_flag(stream), outcome=err.code).inc()
+        self._turns(_flag(stream), err.code).inc()
         self.upstream_errors.labels(kind=err.code).inc()
 
 

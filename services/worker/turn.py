@@ -110,7 +110,10 @@ def _logprob_entries(logprobs: Any) -> list[dict[str, Any]]:
 def _entry_bytes(entry: dict[str, Any]) -> bytes:
     raw = entry.get("bytes")
     if isinstance(raw, list):
-        return bytes(int(b) & 0xFF for b in raw)
+        try:
+            return bytes(raw)
+        except (TypeError, ValueError):  # not all ints in 0-255: each taken modulo 256
+            return bytes(int(b) & 0xFF for b in raw)
     token = entry.get("token")
     return token.encode() if isinstance(token, str) else b""
 
@@ -159,8 +162,8 @@ class TurnAccumulator:
         self.message: dict[str, Any] | None = None
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.logprobs: list[float] = []
-        # The bytes of each sampled token as the logprobs name them (for re-tokenizing).
-        self.sampled_bytes: list[bytes] = []
+        # Each sampled token's logprob entry (its bytes are read only to re-tokenize).
+        self._sampled: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
         # None: the upstream gave no ids (not the same as an empty output).
         self.prompt_token_ids: list[int] | None = None
@@ -275,12 +278,17 @@ class TurnAccumulator:
         entries = _logprob_entries(logprobs)
         for entry in entries:
             self.logprobs.append(float(entry["logprob"]))
-            self.sampled_bytes.append(_entry_bytes(entry))
+        self._sampled += entries
         return bool(entries)
+
+    @property
+    def sampled_bytes(self) -> list[bytes]:
+        """The bytes of each sampled token as the logprobs name them (for re-tokenizing)."""
+        return [_entry_bytes(entry) for entry in self._sampled]
 
     def sampled_text(self) -> str:
         """The sampled output as text: the logprobs' token bytes, else reasoning + content."""
-        if self.sampled_bytes:
+        if self._sampled:
             return b"".join(self.sampled_bytes).decode(errors="replace")
         message = self.assistant_message()
         return str(message.get("reasoning_content") or "") + str(message.get("content") or "")

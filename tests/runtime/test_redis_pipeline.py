@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
 import uvloop
-from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollgate.redis_server import free_port
 from services.runtime.redis_pipeline import PipelinedScripts
@@ -29,29 +29,20 @@ return ARGV[1]
 SCRIPT = LuaScript(name="set_echo", source=SOURCE, sha=hashlib.sha1(SOURCE.encode()).hexdigest())
 
 
-class CountingConnection(Connection):
-    """A real connection that counts its writes of commands (each packs what it sends)."""
-
-    writes = 0
-
-    def pack_commands(self, commands: Any) -> Any:
-        CountingConnection.writes += 1
-        return super().pack_commands(commands)
-
-
 class CountingRedis(aioredis.Redis):
-    """A client whose connections count their writes."""
+    """A client whose pipelined connection's socket writes are counted."""
+
+    scripts: PipelinedScripts | None = None
 
     @property
     def pipelines(self) -> int:
-        return CountingConnection.writes
+        assert self.scripts is not None
+        return self.scripts.writes
 
 
 @pytest.fixture
 async def counting(redis_url: str) -> AsyncIterator[CountingRedis]:
-    CountingConnection.writes = 0
     client = cast(CountingRedis, CountingRedis.from_url(redis_url))
-    client.connection_pool.connection_class = CountingConnection
     try:
         yield client
     finally:
@@ -60,7 +51,7 @@ async def counting(redis_url: str) -> AsyncIterator[CountingRedis]:
 
 @pytest.fixture
 async def scripts(counting: CountingRedis) -> AsyncIterator[PipelinedScripts]:
-    pipelined = PipelinedScripts(counting)
+    pipelined = counting.scripts = PipelinedScripts(counting)
     try:
         yield pipelined
     finally:
@@ -162,10 +153,10 @@ async def _after_an_idle_close(redis_url: str, key_prefix: str) -> None:
         # The one connection it holds is closed while nothing is outstanding: as after Redis
         # went away, where a write fails and the loop closes the transport, and the next
         # call is written to a closed transport.
-        held = pipelined._connection
-        assert held is not None and held._writer is not None
-        held._writer.transport.abort()
-        await eventually(held._writer.transport.is_closing, timeout_s=10.0, what="closed")
+        held = pipelined._transport
+        assert held is not None
+        held.abort()
+        await eventually(held.is_closing, timeout_s=10.0, what="closed")
         async with asyncio.timeout(10.0):  # before the fix: never answered
             replies = await asyncio.gather(
                 *(SCRIPT.run(pipelined, [f"{key_prefix}b{i}"], [str(i)]) for i in range(3))
@@ -186,3 +177,33 @@ def test_calls_after_the_idle_connection_closed_are_sent_on_a_new_one(
     # froze the ledger: tests/end_to_end/test_redis_outage.py).
     run = uvloop.run if loop == "uvloop" else asyncio.run
     run(_after_an_idle_close(redis_url, key_prefix))
+
+
+async def test_a_reply_that_does_not_come_in_time_fails_the_calls_waiting(
+    redis_url: str, key_prefix: str
+) -> None:
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=0.3)
+    other = aioredis.Redis.from_url(redis_url)
+    pipelined = PipelinedScripts(client)
+    try:
+        await client.script_load(SOURCE)
+        assert await SCRIPT.run(pipelined, [f"{key_prefix}a"], ["1"]) == b"1"
+        # Another client holds every client's commands for 1 s (a stuck Redis: a slow script,
+        # a fork, a partition): no reply comes within 0.3 s.
+        assert await other.execute_command("CLIENT", "PAUSE", 1000)
+        started = asyncio.get_running_loop().time()
+        replies = await asyncio.gather(
+            *(SCRIPT.run(pipelined, [f"{key_prefix}b{i}"], [str(i)]) for i in range(2)),
+            return_exceptions=True,
+        )
+        waited = asyncio.get_running_loop().time() - started
+        assert all(isinstance(r, RedisTimeoutError) for r in replies), replies
+        assert waited < 0.9  # the deadline, not the end of the pause
+        assert await other.execute_command("CLIENT", "UNPAUSE")
+        # The connection that timed out was dropped (a late reply would answer the wrong
+        # caller); the next call goes out on a new one and is answered.
+        assert await SCRIPT.run(pipelined, [f"{key_prefix}c"], ["2"]) == b"2"
+    finally:
+        await pipelined.aclose()
+        await client.aclose()
+        await other.aclose()

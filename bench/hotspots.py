@@ -1,0 +1,233 @@
+"""Where each service's CPU goes under one bench cell's load: py-spy on every process.
+
+Starts the cell's environment as `bench/run.py` does (mock, floor, the real stack), warms
+rollgate up, then drives rollgate alone for `--seconds` while `py-spy record` samples the
+gateway, the dataproxy and one worker (all threads, native frames off). Prints, per process,
+its CPU per request (from /proc), the share of samples by where the leaf frame lives (the
+loop's native code, aiohttp, grpc, protobuf, rollgate's modules, …) and the functions with
+the most self time; the raw samples go to bench/results/profile-<cell>-<process>.txt
+(`py-spy`'s raw format, one stack per line, for flame graphs).
+`--idle` measures instead what each process burns with no load at all (CPU ms per second).
+
+Usage: `.venv/bin/python bench/hotspots.py --cell unary-16 [--seconds 20] [--rate 250]`
+(needs `pip install py-spy`; py-spy reads other processes' memory: root, or ptrace allowed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run
+
+RESULTS = run.RESULTS
+PROFILED = ("gateway", "dataproxy", "worker")
+
+# (label, substring of a frame's file path); the first that matches the leaf frame names it.
+AREAS = (
+    ("rollgate: runtime/framed", "services/runtime/framed"),
+    ("rollgate: gateway", "services/gateway/"),
+    ("rollgate: dataproxy", "services/dataproxy/"),
+    ("rollgate: worker", "services/worker/"),
+    ("rollgate: runtime", "services/runtime/"),
+    ("rollgate: schema/protos", "/schema/"),
+    ("protobuf", "google/protobuf"),
+    ("grpc", "grpc"),
+    ("aiohttp", "aiohttp"),
+    ("redis", "redis"),
+    ("structlog/logging", "structlog"),
+    ("structlog/logging", "logging/"),
+    ("prometheus", "prometheus_client"),
+    ("msgpack", "msgpack"),
+    ("asyncio", "asyncio/"),
+    ("uvloop", "uvloop"),
+)
+
+
+def area_of(frame: str) -> str:
+    """The area a py-spy frame (`function (path:line)`) belongs to."""
+    for label, needle in AREAS:
+        if needle in frame:
+            return label
+    if "(" not in frame:
+        return "native (no Python frame)"
+    return "other Python"
+
+
+def summarize(raw: Path, top: int) -> str:
+    """Shares by area and the top self-time functions of one raw py-spy file."""
+    areas: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        # py-spy's first frame is the thread ("process 1:"; "thread (0x…)"), the last the leaf.
+        leaf = frames[-1]
+        if leaf.startswith(("process ", "thread ")):
+            # An idle thread sampled outside Python: no Python frame at all.
+            leaf = "native (no Python frame)"
+        areas[area_of(leaf)] += count
+        leaves[leaf] += count
+        total += count
+    if not total:
+        return "  (no samples: py-spy saw the process idle)"
+    out = [f"  {total} samples; by where the leaf frame lives:"]
+    out += [f"    {n / total:6.1%}  {label}" for label, n in areas.most_common()]
+    out.append(f"  top {top} functions by self time:")
+    out += [f"    {n / total:6.1%}  {leaf}" for leaf, n in leaves.most_common(top)]
+    return "\n".join(out)
+
+
+async def _load(env: run.Environment, cell: run.Cell, seconds: float) -> tuple[int, int]:
+    url = run._urls(env)["rollgate"]
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        load = run.Load(session, body=run._request_body(cell), stream=cell.stream)
+        lat, _, errors, _ = await load.run(url, env.keys, cell.clients, seconds)
+    return len(lat), errors
+
+
+def _cprofile_root(real: Path, tmp: Path, kind: str, stats: Path) -> str:
+    """A checkout for run.environment whose `.venv/bin/python` starts `services.<kind>` under
+    bench/cprofile_run.py (the other services as usual): its packages are links to `real`."""
+    root = tmp / "cprofile-root"
+    (root / ".venv" / "bin").mkdir(parents=True)
+    for package in ("services", "protos", "schema", "stackconfig", "chatml", "rollgate"):
+        (root / package).symlink_to(real / package)
+    python = real / ".venv" / "bin" / "python"
+    runner = Path(__file__).resolve().parent / "cprofile_run.py"
+    shim = root / ".venv" / "bin" / "python"
+    shim.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -m ] && [ "$2" = services.{kind} ]; then\n'
+        f'  shift 2; exec "{python}" "{runner}" "{stats}" services.{kind} "$@"\n'
+        "fi\n"
+        f'exec "{python}" "$@"\n'
+    )
+    shim.chmod(0o755)
+    return str(root)
+
+
+def _show_cprofile(stats: Path, top: int) -> None:
+    if not stats.exists():
+        print(f"\n(no cProfile stats at {stats}: did the service stop cleanly?)")
+        return
+    print(f"\n## cProfile, CPU clock ({stats}): by own time, then by cumulative time")
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(str(stats)).strip_dirs().sort_stats(order).print_stats(top)
+
+
+def _user_sys(pid: int) -> tuple[float, float]:
+    """CPU seconds (user, system) a process has used so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(stat[11]) / tick, int(stat[12]) / tick
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Profiles the chosen cell (or the idle stack) and prints each process's summary."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--cell", default="unary-16", choices=[c.name for c in run.CELLS])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--idle", action="store_true", help="no load: CPU each process burns")
+    parser.add_argument("--native", action="store_true", help="C frames too (py-spy --native)")
+    parser.add_argument(
+        "--cprofile",
+        choices=PROFILED,
+        help="run this service under cProfile (CPU clock) instead of sampling it with py-spy",
+    )
+    parser.add_argument("--rollgate-root", default=str(run.REPO))
+    parser.add_argument("--env", action="append", default=[], type=run._assignment)
+    args = parser.parse_args(argv)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not args.idle and not Path(spy).exists():
+        print("py-spy is missing: pip install py-spy", file=sys.stderr)
+        return 2
+    uvloop.install()
+    cell = next(c for c in run.CELLS if c.name == args.cell)
+    RESULTS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rollgate-profile-") as tmp:
+        root = args.rollgate_root
+        stats = RESULTS / f"cprofile-{cell.name}-{args.cprofile}.prof"
+        if args.cprofile:
+            root = _cprofile_root(Path(args.rollgate_root), Path(tmp), args.cprofile, stats)
+            args.rate = 0
+        run_args = argparse.Namespace(rollgate_root=root, workers=args.workers, env=args.env)
+        with run.environment(cell, run_args, Path(tmp)) as env:
+            pids = env.processes.pids
+            if args.idle:
+                before = env.processes.cpu_s()
+                time.sleep(args.seconds)
+                after = env.processes.cpu_s()
+                print(f"idle stack, CPU ms per second over {args.seconds:.0f} s:")
+                for name in sorted(after):
+                    used = 1000 * (after[name] - before.get(name, after[name])) / args.seconds
+                    print(f"  {name:12s} {used:7.2f}")
+                return 0
+            asyncio.run(_load(env, cell, args.warmup_s))
+            names = [n for n in pids if run.kind_of(n) in PROFILED]
+            # One worker is enough (they share the load); the first of each kind.
+            chosen: dict[str, str] = {}
+            for name in sorted(names):
+                chosen.setdefault(run.kind_of(name), name)
+            spies = {}
+            for kind, name in chosen.items() if args.rate else ():
+                out = RESULTS / f"profile-{cell.name}-{kind}.txt"
+                spies[name] = (
+                    out,
+                    subprocess.Popen(
+                        [spy, "record", "--pid", str(pids[name]), "--rate", str(args.rate),
+                         "--duration", str(int(args.seconds)), "--format", "raw",
+                         "--threads", "--output", str(out),
+                         *(["--native"] if args.native else ["--nonblocking"])],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    ),
+                )  # fmt: skip
+            before = {n: _user_sys(p) for n, p in pids.items()}
+            requests, errors = asyncio.run(_load(env, cell, args.seconds))
+            after = {n: _user_sys(p) for n, p in pids.items()}
+            for _, process in spies.values():
+                process.wait(timeout=60)
+    print(f"{cell.title}: {requests} requests, {errors} errors in {args.seconds:.0f} s")
+    print("CPU ms per request (user + system):")
+    total = 0.0
+    for name in sorted(after):
+        user, system = (
+            1000 * (a - b) / max(requests, 1)
+            for a, b in zip(after[name], before[name], strict=True)
+        )
+        if run.kind_of(name) in run.SERVICE_KINDS:
+            total += user + system
+        print(f"  {name:12s} {user + system:6.3f}  ({user:.3f} + {system:.3f})")
+    print(f"  {'services':12s} {total:6.3f}")
+    if args.cprofile:
+        _show_cprofile(stats, args.top)
+    for name, (out, _) in spies.items():
+        print(f"\n## {name} ({out})")
+        print(summarize(out, args.top) if out.exists() else "  (py-spy wrote nothing)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
