@@ -115,8 +115,8 @@ class _StreamLost(Exception):
 class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
     """One open `DataProxy.Ledger` call: ops queued and written together, answers by id.
 
-    `ask` queues its op; the writer sends everything queued as one `LedgerRequests`, so ops
-    asked while a write is under way go together in the next one (`duplex.BatchedCall`).
+    `ask` queues its op; everything queued in one turn of the event loop goes out as one
+    `LedgerRequests` (`duplex.BatchedCall`).
     A stopping stream (its dataproxy refused a begin as it shuts down) takes no more begins;
     records and releases of the turns it admitted still come here, its drain waits for them.
     """
@@ -172,25 +172,18 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
     def _write_failed(self, err: Exception) -> None:
         self._fail(_error_of(err))
 
-    async def _read(self) -> None:
-        error = _lost()
-        try:
-            while True:
-                message = await self._call.read()
-                if message is grpc.aio.EOF:
-                    break
-                for answer in message.answers:
-                    if answer.id == 0:
-                        if answer.WhichOneof("result") == "weight_version":
-                            self._ledger.saw_version(answer.weight_version)
-                        continue
-                    waiter = self._pending.get(answer.id)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(answer)
-        except grpc.aio.AioRpcError as err:
-            error = _error_of(err)
-        finally:
-            self._fail(error)
+    def _on_message(self, message: dataproxy_pb2.LedgerResponses) -> None:
+        for answer in message.answers:
+            if answer.id == 0:
+                if answer.WhichOneof("result") == "weight_version":
+                    self._ledger.saw_version(answer.weight_version)
+                continue
+            waiter = self._pending.get(answer.id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(answer)
+
+    def _ended(self, error: grpc.aio.AioRpcError | None) -> None:
+        self._fail(_error_of(error) if error is not None else _lost())
 
     def _fail(self, error: RollgateError) -> None:
         """The stream broke: every op waiting on it fails (its caller retries on a new one)."""

@@ -3,10 +3,10 @@ by id.
 
 Every relayed turn is a `TurnStart` on the stream to the worker the router chose instead of a
 `Generate` or `Complete` call of its own (a message on an open stream costs a fraction of a
-call: docs/internals.md, *What a turn costs*). One writer task per stream sends every op
-queued meanwhile as one `TurnOps`; one reader task hands each `TurnEvent` to its turn. A turn
-reads its events in batches (all that came since it last asked: chunks that arrived together
-go on together). Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's
+call: docs/internals.md, *What a turn costs*). Every op queued in one turn of the event loop
+goes out as one `TurnOps`, and each `TurnEvent` read is handed to its turn
+(`duplex.BatchedCall`: no task per message on a framed stream). A turn reads its events in
+batches (all that came since it last asked: chunks that arrived together go on together). Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's
 chunks ahead of what its caller has taken; what the caller takes is credited back once half a
 window has gone, so a slow client stalls only its own turn. A stream that breaks fails its
 turns (a turn that had no event yet fails as `worker_unavailable`: the relay may route it
@@ -218,26 +218,19 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
     def _write_failed(self, err: Exception) -> None:
         self._fail(from_rpc_error(err, hop="worker") if _rpc(err) else _unreachable())
 
-    async def _read(self) -> None:
-        error: RollgateError | None = None
-        try:
-            while True:
-                message = await self._call.read()
-                if message is grpc.aio.EOF:
-                    break
-                for event in message.events:
-                    turn = self._turns.get(event.id)
-                    if turn is None:
-                        continue  # cancelled meanwhile
-                    if _is_last(event):
-                        del self._turns[event.id]
-                        if event.WhichOneof("event") == "error_json" and not turn.received:
-                            self.stopping = self.stopping or _error_of(event).code == STOPPING_CODE
-                    turn.deliver(event)
-        except grpc.aio.AioRpcError as err:
-            error = from_rpc_error(err, hop="worker")
-        finally:
-            self._fail(error)
+    def _on_message(self, message: worker_pb2.TurnEvents) -> None:
+        for event in message.events:
+            turn = self._turns.get(event.id)
+            if turn is None:
+                continue  # cancelled meanwhile
+            if _is_last(event):
+                del self._turns[event.id]
+                if event.WhichOneof("event") == "error_json" and not turn.received:
+                    self.stopping = self.stopping or _error_of(event).code == STOPPING_CODE
+            turn.deliver(event)
+
+    def _ended(self, error: grpc.aio.AioRpcError | None) -> None:
+        self._fail(from_rpc_error(error, hop="worker") if error is not None else None)
 
     def _fail(self, error: RollgateError | None) -> None:
         """The stream ended or broke: each turn on it fails (one without any event yet as

@@ -101,6 +101,10 @@ class _Connection(asyncio.Protocol, Generic[In]):
         self.lost = False
         self.on_made: Callable[[], None] | None = None
         self.on_lost: Callable[[], None] | None = None
+        # Set by `listen`: each message goes straight to it from the read callback (no task
+        # wakes per message), and the end to `_on_end` once.
+        self._on_message: Callable[[In], None] | None = None
+        self._on_end: Callable[[], None] | None = None
 
     # asyncio.Protocol
 
@@ -125,8 +129,12 @@ class _Connection(asyncio.Protocol, Generic[In]):
                 end = at + 4 + size
                 if len(buffer) < end:
                     break
-                self._inbox.append(self._parse(bytes(buffer[at + 4 : end])))
+                message = self._parse(bytes(buffer[at + 4 : end]))
                 at = end
+                if self._on_message is not None:
+                    self._on_message(message)
+                else:
+                    self._inbox.append(message)
         except (FrameError, DecodeError) as err:
             self.abort(err if isinstance(err, FrameError) else FrameError("a frame did not parse"))
             return
@@ -151,6 +159,7 @@ class _Connection(asyncio.Protocol, Generic[In]):
     def eof_received(self) -> bool:
         self.eof = True
         self._wake()
+        self._ended()
         return self._server_side
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -160,6 +169,7 @@ class _Connection(asyncio.Protocol, Generic[In]):
         self._wake()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+        self._ended()
         if self.on_lost is not None:
             self.on_lost()
 
@@ -170,6 +180,29 @@ class _Connection(asyncio.Protocol, Generic[In]):
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+
+    def listen(self, on_message: Callable[[In], None], on_end: Callable[[], None]) -> None:
+        """Hands every message to `on_message` as it is read (those read before first), and
+        calls `on_end` once when the peer closed its side or the connection ended."""
+        while self._inbox:
+            on_message(self._inbox.popleft())
+        self._on_message = on_message
+        self._on_end = on_end
+        if self.eof or self.lost:
+            self._ended()
+
+    def _ended(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+    @property
+    def writable(self) -> bool:
+        """Open, and the peer keeps up (a send now is not queued past the write buffer)."""
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            return False
+        return self._writable is None or self._writable.done()
 
     # Frames
 
@@ -243,6 +276,27 @@ class FramedCall(Generic[In]):
         except FrameError as err:
             raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
         await connection.drained()
+
+    def listen(self, on_message: Callable[[In], None], on_end: Callable[[], None]) -> None:
+        """Instead of `read`: each message to `on_message` as it arrives, then `on_end` (the
+        error, if it broke, is `ended_by()`)."""
+        self._connection.listen(on_message, on_end)
+
+    def ended_by(self) -> grpc.aio.AioRpcError | None:
+        """Why the stream ended: None for the server's clean end."""
+        return self._broken() if self._connection.error is not None else None
+
+    @property
+    def writable(self) -> bool:
+        """Whether `send_now` may write (open, the peer keeping up)."""
+        return self._connection.writable
+
+    def send_now(self, message: Message) -> None:
+        """Writes at once (check `writable` first): what `write` does without waiting."""
+        try:
+            self._connection.send(message)
+        except FrameError as err:
+            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
 
     async def read(self) -> Any:
         """The next message, grpc.aio.EOF once the server ended the stream."""
@@ -364,6 +418,11 @@ class PeerStream:
         log.info("peer_stream_opened", peer=self.peer, transport=transport, **fields)
         if self._on_open is not None:
             self._on_open(self.peer, transport)
+
+    async def framed(self) -> FramedCall[Any] | None:
+        """The framed call once open (None: the stream is gRPC), for `listen`/`send_now`."""
+        call = await self._opening
+        return call if isinstance(call, FramedCall) else None
 
     async def write(self, message: Message) -> None:
         call = await self._opening
