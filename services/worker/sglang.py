@@ -49,8 +49,7 @@ class SglangChatAdapter(OpenAICompatAdapter):
 
     def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one streamed chunk and any token ids it carries."""
-        acc.add_chunk(chunk)
-        acc.add_token_ids(chunk)
+        acc.add_chunk(chunk, token_ids=True)
 
     def read_completion(self, body: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one completion and any token ids it carries."""

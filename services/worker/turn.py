@@ -90,7 +90,12 @@ class TurnResult:
 def choice_zero(body: dict[str, Any]) -> dict[str, Any] | None:
     """The choice with index 0 (only choice 0 is recorded), or None."""
     choices = body.get("choices")
-    if not isinstance(choices, list):
+    if type(choices) is not list:
+        return None
+    if len(choices) == 1:  # every chunk of a single-sample call: no loop
+        choice = choices[0]
+        if type(choice) is dict and choice.get("index", 0) == 0:
+            return choice
         return None
     for choice in choices:
         if isinstance(choice, dict) and choice.get("index", 0) == 0:
@@ -180,10 +185,13 @@ class TurnAccumulator:
         if isinstance(usage, dict):
             self.usage = usage
 
-    def add_chunk(self, chunk: dict[str, Any]) -> None:
-        """Absorbs one `chat.completion.chunk` (the standard OpenAI fields of choice 0)."""
+    def add_chunk(self, chunk: dict[str, Any], *, token_ids: bool = False) -> None:
+        """Absorbs one `chat.completion.chunk` (the standard OpenAI fields of choice 0), and
+        with `token_ids` the ids it carries (`add_token_ids`, without a second lookup)."""
         self._read_header(chunk)
         choice = choice_zero(chunk)
+        if token_ids:
+            self._add_token_ids(chunk, choice)
         if choice is None:
             return
         delta = choice.get("delta")
@@ -275,9 +283,10 @@ class TurnAccumulator:
             self.finish_reason = choice["finish_reason"]
 
     def _add_logprobs(self, logprobs: Any) -> bool:
+        if logprobs is None:
+            return False
         entries = _logprob_entries(logprobs)
-        for entry in entries:
-            self.logprobs.append(float(entry["logprob"]))
+        self.logprobs += [float(entry["logprob"]) for entry in entries]
         self._sampled += entries
         return bool(entries)
 
@@ -295,7 +304,9 @@ class TurnAccumulator:
 
     def add_token_ids(self, body: dict[str, Any]) -> None:
         """Absorbs vLLM's `prompt_token_ids` (top level or choice) and `choices[0].token_ids`."""
-        choice = choice_zero(body)
+        self._add_token_ids(body, choice_zero(body))
+
+    def _add_token_ids(self, body: dict[str, Any], choice: dict[str, Any] | None) -> None:
         if self.prompt_token_ids is None:
             prompt = _int_list(body.get("prompt_token_ids"))
             if prompt is None and choice is not None:

@@ -19,8 +19,7 @@ class VllmAdapter(OpenAICompatAdapter):
 
     def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one streamed chunk and its ids (prompt ids come on the first chunk)."""
-        acc.add_chunk(chunk)
-        acc.add_token_ids(chunk)
+        acc.add_chunk(chunk, token_ids=True)
 
     def read_completion(self, body: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one completion and its ids."""
