@@ -227,6 +227,7 @@ async def serving(settings: DataProxySettings) -> AsyncIterator[GrpcServer]:
             preamble=LEDGER_PREAMBLE,
             parse=dataproxy_pb2.LedgerRequests.FromString,
             name="dataproxy-ledger",
+            sends=True,
         )
         # Entered last, so it stops first: in-flight turns drain while Redis lives.
         await stack.enter_async_context(server)

@@ -42,13 +42,34 @@ CLOSING_IDLE_S = 0.25
 
 
 class _Stream:
-    """One open ledger stream: its answer queue and the turns admitted through it."""
+    """One open ledger stream: its answers and the turns admitted through it.
 
-    def __init__(self) -> None:
+    The answers ready in one turn of the event loop go out as one `LedgerResponses`: written
+    by a callback scheduled after them (`direct`: a framed stream's send), or queued for
+    `serve` to yield (a gRPC stream's). The queue also carries the stream's end (None)."""
+
+    def __init__(
+        self, direct: Callable[[dataproxy_pb2.LedgerResponses], None] | None = None
+    ) -> None:
         self.answers: asyncio.Queue[dataproxy_pb2.LedgerResponse | None] = asyncio.Queue()
         # lease token → ticket of turns admitted here, neither recorded nor released yet.
         self.admitted: dict[str, bytes] = {}
         self.ops: set[asyncio.Task[None]] = set()
+        self._direct = direct
+        self._ready: list[dataproxy_pb2.LedgerResponse] = []
+
+    def put(self, answer: dataproxy_pb2.LedgerResponse) -> None:
+        if self._direct is None:
+            self.answers.put_nowait(answer)
+            return
+        self._ready.append(answer)
+        if len(self._ready) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._ready and self._direct is not None:
+            answers, self._ready = self._ready, []
+            self._direct(dataproxy_pb2.LedgerResponses(answers=answers))
 
 
 # Called with (op, gRPC status code name, seconds, error message) as each op ends: the
@@ -86,20 +107,22 @@ class LedgerStreams:
         return sum(len(s.admitted) for s in self._streams)
 
     async def serve(
-        self, requests: AsyncIterator[dataproxy_pb2.LedgerRequests]
+        self,
+        requests: AsyncIterator[dataproxy_pb2.LedgerRequests],
+        *,
+        send: Callable[[dataproxy_pb2.LedgerResponses], None] | None = None,
     ) -> AsyncIterator[dataproxy_pb2.LedgerResponses]:
         """One stream's answers, until the gateway closes its side (and what it asked is
         answered) or this process shuts the stream down. Each message carries every answer
-        that was ready when the previous one had gone."""
-        stream = _Stream()
+        that was ready in one turn of the loop (a gRPC stream's: when the previous one had
+        gone). With `send` (a framed stream) the answers go to it instead of being yielded."""
+        stream = _Stream(send)
         self._streams.add(stream)
         unsubscribe = self._versions.listen(
-            lambda v: stream.answers.put_nowait(dataproxy_pb2.LedgerResponse(weight_version=v))
+            lambda v: stream.put(dataproxy_pb2.LedgerResponse(weight_version=v))
         )
         # The gateway's view starts from this process's.
-        stream.answers.put_nowait(
-            dataproxy_pb2.LedgerResponse(weight_version=self._versions.current)
-        )
+        stream.put(dataproxy_pb2.LedgerResponse(weight_version=self._versions.current))
         reader = asyncio.create_task(self._read(stream, requests), name="ledger-reader")
         answers = stream.answers
         try:
@@ -195,7 +218,7 @@ class LedgerStreams:
             answer = dataproxy_pb2.LedgerResponse(error_json=error.to_payload())
             code, message = error.grpc_status.name, error.message
         answer.id = request.id
-        stream.answers.put_nowait(answer)
+        stream.put(answer)
         if self._on_op is not None:
             self._on_op(kind, code, time.perf_counter() - started, message)
         self._check_drained()

@@ -446,18 +446,23 @@ class PeerStream:
 
 
 class FramedServer(Generic[In, Out]):
-    """Serves one stream framed: each connection's requests go to `serve`, what it yields goes
-    back; `close` stops listening and ends the connections still open."""
+    """Serves one stream framed: each connection's requests go to `serve`, what it yields (or,
+    with `sends`, what it hands to its `send`) goes back; `close` stops listening and ends the
+    connections still open."""
 
     def __init__(
         self,
-        serve: Callable[[AsyncIterator[In]], AsyncIterator[Out]],
+        serve: Callable[..., AsyncIterator[Out]],
         *,
         preamble: bytes,
         parse: Callable[[bytes], In],
         name: str,
+        sends: bool = False,
     ) -> None:
         self._serve = serve
+        # `serve(requests, send=…)` writes its messages itself (through `send`, at once)
+        # instead of yielding them: no task wakes per message it sends.
+        self._sends = sends
         self._preamble = preamble
         self._parse = parse
         self.name = name
@@ -504,7 +509,10 @@ class FramedServer(Generic[In, Out]):
             while (message := await connection.next()) is not None:
                 yield message
 
-        messages = self._serve(requests())
+        if self._sends:
+            messages = self._serve(requests(), send=self._sender(connection))
+        else:
+            messages = self._serve(requests())
         try:
             async for message in messages:
                 connection.send(message)
@@ -521,6 +529,18 @@ class FramedServer(Generic[In, Out]):
             if connection.transport is not None:
                 connection.transport.close()
 
+    def _sender(self, connection: _Connection[In]) -> Callable[[Message], None]:
+        def send(message: Message) -> None:
+            try:
+                connection.send(message)
+            except FrameError as err:  # too large: the stream cannot go on (as `_run` does)
+                log.warning("framed_stream_message_too_large", stream=self.name, error=str(err))
+                connection.abort(ConnectionAbortedError("a message too large to send"))
+            except (OSError, RuntimeError):
+                pass  # the connection is going away: its stream is being stopped
+
+        return send
+
     async def close(self) -> None:
         """Stops listening; the connections still open are ended (their streams stop)."""
         for task in list(self._tasks):
@@ -533,20 +553,23 @@ class FramedServer(Generic[In, Out]):
 
 async def serve_framed(
     stack: AsyncExitStack,
-    serve: Callable[[AsyncIterator[In]], AsyncIterator[Out]],
+    serve: Callable[..., AsyncIterator[Out]],
     *,
     host: str,
     port: int | None,
     preamble: bytes,
     parse: Callable[[bytes], In],
     name: str,
+    sends: bool = False,
 ) -> int:
     """Serves `serve` framed on host:port until `stack` closes (None: not at all); the bound
     port (0 when off). Entered before the gRPC server, it closes after that server's stop
     sequence: its drains end the streams (framed ones included), then the listener goes."""
     if port is None:
         return 0
-    server: FramedServer[In, Out] = FramedServer(serve, preamble=preamble, parse=parse, name=name)
+    server: FramedServer[In, Out] = FramedServer(
+        serve, preamble=preamble, parse=parse, name=name, sends=sends
+    )
     await server.start(host, port)
     stack.push_async_callback(server.close)
     log.info("framed_stream_listening", stream=name, host=host, port=server.port)

@@ -180,6 +180,7 @@ async def serving(settings: WorkerSettings) -> AsyncIterator[RunningWorker]:
             preamble=TURNS_PREAMBLE,
             parse=worker_pb2.TurnOps.FromString,
             name="worker-turns",
+            sends=True,
         )
         await stack.enter_async_context(server)
         await server.set_serving()

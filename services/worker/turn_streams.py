@@ -80,19 +80,35 @@ class _Turn:
 
 
 class _Stream:
-    """One open Turns stream: its outgoing events and its running turns."""
+    """One open Turns stream: its outgoing events and its running turns.
 
-    def __init__(self) -> None:
+    Events are sent together: everything queued in one turn of the event loop is one
+    `TurnEvents`, written by a callback scheduled after them (`direct`: a framed stream's
+    send) or yielded by `serve` (a gRPC stream's)."""
+
+    def __init__(self, direct: Callable[[worker_pb2.TurnEvents], None] | None = None) -> None:
         self.outbox: list[worker_pb2.TurnEvent] = []
         self.ready = asyncio.Event()
         self.turns: dict[int, _Turn] = {}
         # The gateway closed its side: the stream ends once its turns are done.
         self.read_all = False
         self.ended = False
+        self._direct = direct
+        self._flush_due = False
 
     def send(self, event: worker_pb2.TurnEvent) -> None:
         self.outbox.append(event)
-        self.ready.set()
+        if self._direct is None:
+            self.ready.set()
+        elif not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        if self.outbox and self._direct is not None:
+            events, self.outbox = self.outbox, []
+            self._direct(worker_pb2.TurnEvents(events=events))
 
     def end(self) -> None:
         self.ended = True
@@ -126,11 +142,16 @@ class TurnStreams:
         return sum(len(s.turns) for s in self._streams)
 
     async def serve(
-        self, requests: AsyncIterator[worker_pb2.TurnOps]
+        self,
+        requests: AsyncIterator[worker_pb2.TurnOps],
+        *,
+        send: Callable[[worker_pb2.TurnEvents], None] | None = None,
     ) -> AsyncIterator[worker_pb2.TurnEvents]:
         """One stream's events until the gateway closes its side (and its turns are done) or
-        this process shuts the stream down; each message carries every event that was ready."""
-        stream = _Stream()
+        this process shuts the stream down; each message carries every event that was ready.
+        With `send` (a framed stream) the events go to it instead of being yielded, what is
+        left when the stream ends excepted."""
+        stream = _Stream(send)
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(stream, requests), name="turns-reader")
         try:

@@ -16,6 +16,7 @@ from rollgate.redis_server import free_port
 from services.gateway import worker_calls
 from services.gateway.worker_calls import WorkerTurn, WorkerTurns
 from services.runtime.errors import RollgateError
+from services.runtime.framed import FramedCall
 from services.runtime.grpc_client import ChannelPool
 from tests.harness.poll import eventually
 from tests.worker.harness import mock_and_worker
@@ -79,6 +80,39 @@ async def test_many_turns_share_one_stream_and_each_gets_its_own_answer(framed: 
     for i, event in enumerate(answers):
         assert f"you said unary {i}" in answer(event.completed.record)
     assert mock.stats.requests == 10
+
+
+async def test_turns_started_together_go_out_as_one_message_without_a_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    writes: list[str] = []
+    for name in ("send_now", "write"):
+        original = getattr(FramedCall, name)
+
+        def counted(self: Any, message: Any, _name: str = name, _original: Any = original) -> Any:
+            writes.append(f"{_name}:{len(message.ops)}")
+            return _original(self, message)
+
+        monkeypatch.setattr(FramedCall, name, counted)
+    async with mock_and_worker() as (_, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool, framed=True)
+        first = turns.start(
+            worker.address, request("first", stream=False), stream=False, timeout_s=10
+        )
+        await first.events()  # the stream is open (its first start waited for it)
+        writes.clear()
+        together = [
+            turns.start(worker.address, request(f"together {i}", stream=False),
+                        stream=False, timeout_s=10)
+            for i in range(5)
+        ]  # fmt: skip
+        answers = [(await t.events())[0] for t in together]
+        await turns.close()
+    # The five starts of one turn of the loop: one message, written by the flush callback
+    # (send_now), not the writer task (write).
+    assert writes == ["send_now:5"]
+    for i, event in enumerate(answers):
+        assert f"you said together {i}" in answer(event.completed.record)
 
 
 async def test_a_turn_that_is_not_read_waits_at_its_window_while_others_go_on(

@@ -300,3 +300,38 @@ async def test_a_framed_port_in_use_fails_the_start_saying_what_to_do() -> None:
         with pytest.raises(OSError, match=r"worker: cannot listen on 127\.0\.0\.1:\d+") as caught:
             await server.start("127.0.0.1", taken.port)
         assert "choose another port, or `off`" in str(caught.value)
+
+
+async def test_listen_hands_each_message_over_as_it_is_read_then_the_end_once() -> None:
+    async with echo_server() as (server, _):
+        call = await connect(server.port)
+        await call.write(ops(1))
+        # Read before anyone listened: queued, then handed over first, in order.
+        await eventually(lambda: len(call._connection._inbox) == 1, what="the first answer")
+        got: list[int] = []
+        ends: list[bool] = []
+        call.listen(lambda m: got.extend(e.id for e in m.events), lambda: ends.append(True))
+        assert got == [1]
+        assert call.writable
+        call.send_now(ops(2, 3))
+        call.send_now(ops(4))
+        await eventually(lambda: got == [1, 2, 3, 4], what="the later answers, in order")
+        await call.done_writing()  # the server's stream ends after a half-close
+        await eventually(lambda: ends == [True], what="the end")
+        assert call.ended_by() is None  # a clean end
+        await eventually(lambda: call._connection.lost, what="the connection closed")
+        assert ends == [True]  # once
+        assert not call.writable
+
+
+async def test_a_broken_connection_ends_a_listener_with_unavailable() -> None:
+    async with echo_server() as (server, _):
+        call = await connect(server.port)
+        ended = asyncio.Event()
+        call.listen(lambda m: None, ended.set)
+        await call.write(ops(1))
+        call._connection.abort(ConnectionResetError())
+        async with asyncio.timeout(10):
+            await ended.wait()
+        error = call.ended_by()
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE

@@ -84,6 +84,7 @@ async def running_worker(
             preamble=TURNS_PREAMBLE,
             parse=worker_pb2.TurnOps.FromString,
             name="worker-turns",
+            sends=True,
         )
         async with server:
             await server.set_serving()
