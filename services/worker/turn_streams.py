@@ -267,7 +267,10 @@ class TurnStreams:
         async with contextlib.aclosing(responses):
             async for response in responses:
                 size = batch_size(response.chunks) if response.HasField("chunks") else 0
-                await turn.spend(size)
+                if turn.sent < turn.allowed:  # within its window: no wait (the usual case)
+                    turn.sent += size
+                else:
+                    await turn.spend(size)
                 stream.send(worker_pb2.TurnEvent(id=turn.id, generated=response, size=size))
 
     def _traced(

@@ -434,20 +434,52 @@ class UpstreamClient:
     async def read_events(
         self, response: aiohttp.ClientResponse, *, deadline: float
     ) -> AsyncIterator[list[bytes]]:
-        """SSE payloads in batches: each batch is what had arrived when it was read."""
+        """SSE payloads in batches: each batch is what had arrived when it was read.
+
+        One timer for the whole answer (not one per read: a long answer is hundreds of
+        reads): at the deadline it closes the response, which ends the pending read, and the
+        stream fails as timed out."""
         parser = SseParser()
-        while True:
-            with _mid_response_errors():
-                async with asyncio.timeout_at(deadline):
-                    data = await response.content.readany()
-            if not data:
-                tail = parser.close()
-                if tail:
-                    yield tail
-                return
-            events = parser.feed(data)
-            if events:
-                yield events
+        content = response.content
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            response.close()
+
+        timer = asyncio.get_running_loop().call_at(deadline, expire)
+        try:
+            while True:
+                try:
+                    data = await content.readany()
+                except aiohttp.ClientError as err:
+                    if expired:
+                        raise _timed_out() from None
+                    raise _broken_off(err) from None
+                if expired:
+                    raise _timed_out()
+                if not data:
+                    tail = parser.close()
+                    if tail:
+                        yield tail
+                    return
+                events = parser.feed(data)
+                if events:
+                    yield events
+        finally:
+            timer.cancel()
+
+
+def _timed_out() -> UpstreamTimeout:
+    return UpstreamTimeout("the upstream did not finish its answer in time")
+
+
+def _broken_off(err: aiohttp.ClientError) -> UpstreamError:
+    log.warning("upstream_broken_stream", error=type(err).__name__, detail=str(err))
+    return UpstreamError(
+        "the upstream broke off its answer mid-response", code="upstream_broken_stream"
+    )
 
 
 @contextlib.contextmanager
@@ -455,10 +487,6 @@ def _mid_response_errors() -> Iterator[None]:
     try:
         yield
     except TimeoutError:
-        raise UpstreamTimeout("the upstream did not finish its answer in time") from None
+        raise _timed_out() from None
     except aiohttp.ClientError as err:
-        log.warning("upstream_broken_stream", error=type(err).__name__, detail=str(err))
-        raise UpstreamError(
-            "the upstream broke off its answer mid-response",
-            code="upstream_broken_stream",
-        ) from None
+        raise _broken_off(err) from None
