@@ -1,0 +1,66 @@
+"""bench/hotspots.py: py-spy's raw samples summarised by where the leaf frame lives, and the
+shim checkout that starts one service under cProfile and every other one as usual."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_samples_are_summed_by_area_and_by_leaf(tmp_path: Path) -> None:
+    hotspots = _load("hotspots")
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "thread (1);run (asyncio/runners.py:118) 50\n"
+        "thread (1);run (asyncio/runners.py:118);send (services/runtime/framed.py:183) 30\n"
+        "thread (1);run (asyncio/runners.py:118);x (services/gateway/relay.py:9) 15\n"
+        "thread (2) 5\n"
+    )
+    text = hotspots.summarize(raw, top=2)
+    assert "100 samples" in text
+    assert " 50.0%  asyncio" in text
+    assert " 30.0%  rollgate: runtime/framed" in text
+    assert " 15.0%  rollgate: gateway" in text
+    assert "   5.0%  native (no Python frame)" in text
+    # The top functions by self time, most first.
+    tops = text.split("top 2 functions by self time:")[1].splitlines()
+    assert "run (asyncio/runners.py:118)" in tops[1]
+    assert "send (services/runtime/framed.py:183)" in tops[2]
+
+
+def test_the_shim_profiles_only_the_chosen_service(tmp_path: Path) -> None:
+    hotspots = _load("hotspots")
+    real = tmp_path / "real"
+    (real / ".venv" / "bin").mkdir(parents=True)
+    (real / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    for package in ("services", "protos", "schema", "stackconfig", "chatml", "rollgate"):
+        (real / package).mkdir()
+    stats = tmp_path / "out.prof"
+    root = Path(hotspots._cprofile_root(real, tmp_path, "dataproxy", stats))
+    shim = root / ".venv" / "bin" / "python"
+    # Another module runs as it would (no profile written)...
+    done = subprocess.run(
+        [str(shim), "-c", "print('plain')"], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "plain" and not stats.exists()
+    # ...and the chosen service's command line goes through cprofile_run.py.
+    text = shim.read_text()
+    assert "services.dataproxy" in text and "cprofile_run.py" in text and str(stats) in text
+    assert (root / "services").resolve() == (real / "services").resolve()
