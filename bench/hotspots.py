@@ -57,13 +57,16 @@ AREAS = (
 )
 
 
+NATIVE = "native (no Python frame)"
+
+
 def area_of(frame: str) -> str:
     """The area a py-spy frame (`function (path:line)`) belongs to."""
+    if frame == NATIVE or "(" not in frame:
+        return NATIVE
     for label, needle in AREAS:
         if needle in frame:
             return label
-    if "(" not in frame:
-        return "native (no Python frame)"
     return "other Python"
 
 
@@ -82,7 +85,7 @@ def summarize(raw: Path, top: int) -> str:
         leaf = frames[-1]
         if leaf.startswith(("process ", "thread ")):
             # An idle thread sampled outside Python: no Python frame at all.
-            leaf = "native (no Python frame)"
+            leaf = NATIVE
         areas[area_of(leaf)] += count
         leaves[leaf] += count
         total += count
