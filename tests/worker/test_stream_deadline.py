@@ -56,10 +56,11 @@ async def _upstream(
 
 
 async def _read(client: UpstreamClient, base: str, budget_s: float, into: list[bytes]) -> None:
-    deadline = asyncio.get_running_loop().time() + budget_s
+    # The turn's budget, as the worker gives it (not a wait of the test's own).
+    budget_ends = asyncio.get_running_loop().time() + budget_s
     url = base + "/chat/completions"
-    async with client.post_chat(b'{"stream":true}', deadline=deadline, url=url) as response:
-        async for batch in client.read_events(response, deadline=deadline):
+    async with client.post_chat(b'{"stream":true}', deadline=budget_ends, url=url) as response:
+        async for batch in client.read_events(response, deadline=budget_ends):
             into += batch
 
 
