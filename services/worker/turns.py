@@ -255,8 +255,10 @@ class TurnRunner:
             for index, acc in sorted(group.samples.items())
         }
         main = results.pop(0)
-        record = dataclasses.replace(
-            main, extra_samples=tuple(r.sample() for r in results.values())
+        record = (
+            dataclasses.replace(main, extra_samples=tuple(r.sample() for r in results.values()))
+            if results
+            else main
         )
         mismatched = [s for s in (record.sample(), *record.extra_samples) if s.length_mismatch]
         if mismatched:

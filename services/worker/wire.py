@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -46,8 +47,13 @@ def _packed(values: Sequence[Any], kind: str) -> bytes:
         raise UpstreamError("the upstream sent token ids that are not 32-bit integers") from None
 
 
+@functools.cache
+def _names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
 def _fields(result: Any) -> dict[str, Any]:
-    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    fields = {name: getattr(result, name) for name in _names(type(result))}
     for name, kind in _PACKED.items():
         if name in fields:
             fields[name] = _packed(fields[name], kind)
