@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -47,13 +46,16 @@ def _packed(values: Sequence[Any], kind: str) -> bytes:
         raise UpstreamError("the upstream sent token ids that are not 32-bit integers") from None
 
 
-@functools.cache
-def _names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
+# The field names of each result type (TurnResult, TurnSample), read once.
+_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _fields(result: Any) -> dict[str, Any]:
-    fields = {name: getattr(result, name) for name in _names(type(result))}
+    kind = type(result)
+    names = _NAMES.get(kind)
+    if names is None:
+        names = _NAMES[kind] = tuple(f.name for f in dataclasses.fields(result))
+    fields = {name: getattr(result, name) for name in names}
     for name, kind in _PACKED.items():
         if name in fields:
             fields[name] = _packed(fields[name], kind)
