@@ -51,10 +51,9 @@ _NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _fields(result: Any) -> dict[str, Any]:
-    kind = type(result)
-    names = _NAMES.get(kind)
+    names = _NAMES.get(type(result))
     if names is None:
-        names = _NAMES[kind] = tuple(f.name for f in dataclasses.fields(result))
+        names = _NAMES[type(result)] = tuple(f.name for f in dataclasses.fields(result))
     fields = {name: getattr(result, name) for name in names}
     for name, kind in _PACKED.items():
         if name in fields:
