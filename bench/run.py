@@ -23,6 +23,7 @@ import contextlib
 import http.client
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -198,7 +199,10 @@ class Processes:
 
 
 def kind_of(name: str) -> str:
-    """gateway-2 → gateway, worker-1 → worker; redis, mock and floor as they are."""
+    """gateway-2 → gateway, worker-1 → worker, skeleton-worker → skeleton; redis, mock and
+    floor as they are."""
+    if name.startswith("skeleton-"):
+        return "skeleton"
     for kind in SERVICE_KINDS:
         if name == kind or name.startswith(kind + "-"):
             return kind
@@ -214,6 +218,8 @@ class Environment:
     stack: Stack
     processes: Processes
     keys: list[str]
+    # bench/skeleton.py's gateway, when it runs (`--skeleton`).
+    skeleton_url: str = ""
 
 
 def _spawn(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
@@ -266,6 +272,7 @@ def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Env
         logs / "mock.log",
     )  # fmt: skip
     floor = None
+    extra: list[subprocess.Popen[bytes]] = []
     try:
         floor, floor_url = _serve_http(
             [python, str(HERE / "floor.py"), "--port", "{port}", "--upstream", mock_url],
@@ -298,16 +305,63 @@ def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Env
             info: Any = redis.Redis.from_url(stack.redis_url).info("server")
             processes.pids["redis"] = int(info["process_id"])
             keys = asyncio.run(_start_sessions(stack, max(cell.clients, 1)))
+            skeleton_url = ""
+            if getattr(args, "skeleton", False):
+                skeleton, skeleton_url = _skeleton(mock_url, stack.redis_url, logs)
+                extra.extend(skeleton.values())
+                processes.pids.update({f"skeleton-{r}": p.pid for r, p in skeleton.items()})
             yield Environment(
-                mock_url=mock_url, floor_url=floor_url, stack=stack, processes=processes, keys=keys
+                mock_url=mock_url,
+                floor_url=floor_url,
+                stack=stack,
+                processes=processes,
+                keys=keys,
+                skeleton_url=skeleton_url,
             )
         finally:
             stack.stop()
     finally:
-        for process in (floor, mock):
+        for process in (*extra, floor, mock):
             if process is not None and process.poll() is None:
                 process.terminate()
                 process.wait(timeout=15)
+
+
+def _listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"a skeleton process did not start:\n{log.read_text()[-2000:]}")
+
+
+def _skeleton(
+    mock_url: str, redis_url: str, logs: Path
+) -> tuple[dict[str, subprocess.Popen[bytes]], str]:
+    """bench/skeleton.py's three processes (on the stack's Redis); its gateway's URL."""
+    script = str(HERE / "skeleton.py")
+    redis_port = str(redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"])
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    ports = {"dataproxy": free_port(), "worker": free_port()}
+    argv = {
+        "dataproxy": ["--redis-port", redis_port],
+        "worker": ["--upstream", mock_url + "/v1/chat/completions"],
+    }
+    for role in ("dataproxy", "worker"):
+        log = logs / f"skeleton-{role}.log"
+        started[role] = _spawn(
+            [sys.executable, script, role, "--port", str(ports[role]), *argv[role]], log, REPO
+        )
+        _listening(ports[role], started[role], log)
+    started["gateway"], url = _serve_http(
+        [
+            sys.executable, script, "gateway", "--port", "{port}",
+            "--dataproxy-port", str(ports["dataproxy"]), "--worker-port", str(ports["worker"]),
+        ],
+        logs / "skeleton-gateway.log",
+    )  # fmt: skip
+    return started, url
 
 
 async def _start_sessions(stack: Stack, n: int) -> list[str]:
@@ -325,25 +379,30 @@ async def _start_sessions(stack: Stack, n: int) -> list[str]:
 
 
 def _urls(env: Environment) -> dict[str, str]:
-    return {
+    urls = {
         "direct": f"{env.mock_url}/v1/chat/completions",
         "floor": f"{env.floor_url}/v1/chat/completions",
         "rollgate": f"{env.stack.gateway_url}/v1/chat/completions",
     }
+    if env.skeleton_url:
+        urls["skeleton"] = f"{env.skeleton_url}/v1/chat/completions"
+    return urls
 
 
 async def _measure(cell: Cell, env: Environment, args: argparse.Namespace) -> list[Round]:
     urls = _urls(env)
-    keys = {"direct": ["unused"], "floor": ["unused"], "rollgate": env.keys}
+    targets = tuple(urls)
+    keys = {"direct": ["unused"], "floor": ["unused"], "rollgate": env.keys, "skeleton": ["-"]}
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=120)
     rounds: list[Round] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         load = Load(session, body=_request_body(cell), stream=cell.stream)
-        for target in TARGETS:  # warm-up: connections, routes, caches, the JIT-less paths
+        for target in targets:  # warm-up: connections, routes, caches, the JIT-less paths
             await load.run(urls[target], keys[target], cell.clients, args.warmup_s)
         for number in range(args.rounds):
-            order = TARGETS[number % 3 :] + TARGETS[: number % 3]
+            turn = number % len(targets)
+            order = targets[turn:] + targets[:turn]
             for target in order:
                 before = env.processes.cpu_s()
                 lat, ttft, errors, elapsed = await load.run(
@@ -398,6 +457,10 @@ def _cpu_ms_per_request(rounds: list[Round], target: str) -> dict[str, float]:
     return {kind: 1000 * s / requests for kind, s in by_kind.items()}
 
 
+def _targets(rounds: list[Round]) -> list[str]:
+    return list(dict.fromkeys(r.target for r in rounds))
+
+
 def summarize(cell: Cell, rounds: list[Round]) -> dict[str, Any]:
     """The cell's medians, spreads, ratios, added latencies, CPU and goal checks."""
     by = {t: [r for r in rounds if r.target == t] for t in TARGETS}
@@ -418,13 +481,25 @@ def summarize(cell: Cell, rounds: list[Round]) -> dict[str, Any]:
         "added_ttft_ms": Spread.of([g.ttft_p50_ms - d.ttft_p50_ms for d, _, g in paired])
         if cell.stream
         else None,
-        "errors": {t: sum(r.errors for r in by[t]) for t in TARGETS},
-        "requests": {t: sum(r.requests for r in by[t]) for t in TARGETS},
+        "errors": {t: sum(r.errors for r in rounds if r.target == t) for t in _targets(rounds)},
+        "requests": {t: sum(r.requests for r in rounds if r.target == t) for t in _targets(rounds)},
         "cpu_ms": cpu,
         "services_cpu_ms": services,
         "floor_cpu_ms": floor_cpu,
         "cpu_to_floor": services / floor_cpu if floor_cpu else float("nan"),
     }
+    skeleton = [r for r in rounds if r.target == "skeleton"]
+    if skeleton:
+        paired_skeleton = list(zip(by["floor"], skeleton, strict=True))
+        skeleton_cpu = _cpu_ms_per_request(rounds, "skeleton").get("skeleton", float("nan"))
+        summary["skeleton"] = {
+            "to_floor": Spread.of([k.rps / f.rps for f, k in paired_skeleton]),
+            "added_p50_ms": Spread.of(
+                [k.p50_ms - d.p50_ms for d, k in zip(by["direct"], skeleton, strict=True)]
+            ),
+            "cpu_ms": skeleton_cpu,
+            "cpu_to_floor": skeleton_cpu / floor_cpu if floor_cpu else float("nan"),
+        }
     goals = {
         "rollgate/floor >= 0.90": summary["to_floor"].median >= 0.90,
         "CPU <= 3x floor": summary["cpu_to_floor"] <= 3.0,
@@ -458,6 +533,13 @@ def _show_cell(s: dict[str, Any]) -> str:
         f"{s['floor_cpu_ms']:.2f} (mock {s['cpu_ms']['floor'].get('mock', 0.0):.2f}); direct mock "
         f"{s['cpu_ms']['direct'].get('mock', 0.0):.2f}; rollgate / floor {s['cpu_to_floor']:.1f}x"
     )
+    if "skeleton" in s:
+        k = s["skeleton"]
+        lines.append(
+            f"skeleton (bench/skeleton.py: the same hops, nothing else): / floor "
+            f"{k['to_floor'].show()}, added p50 {k['added_p50_ms'].show()} ms, CPU "
+            f"{k['cpu_ms']:.2f} ms/request = {k['cpu_to_floor']:.1f}x the floor's"
+        )
     lines.append(f"errors: {s['errors']}, requests: {s['requests']}")
     lines.append(
         "goals: " + ", ".join(f"{g} {'met' if ok else 'NOT met'}" for g, ok in s["goals"].items())
@@ -568,6 +650,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=2.0, help="warm-up per target")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--growth-turns", type=int, default=16)
+    parser.add_argument(
+        "--skeleton",
+        action="store_true",
+        help="also run bench/skeleton.py (the design's hops and nothing else) in every round",
+    )
     parser.add_argument(
         "--rollgate-root", default=str(REPO), help="checkout whose services (and .venv) run"
     )

@@ -1,0 +1,249 @@
+"""The lower bound of the design card's data path: three processes that only pass messages.
+
+A turn of rollgate crosses a gateway (HTTP in, HTTP out), a dataproxy (admission and record,
+one Redis script each) and a worker (the upstream call), each its own process. This skeleton
+does exactly those hops and nothing else — no JSON parsed, no record built, no metrics, logs,
+limits or errors — with the cheapest transport Python has (uvloop protocols, length-prefixed
+frames, writes of one loop turn coalesced, hiredis for Redis), so what it costs is what any
+Python implementation of this shape costs at least:
+
+- gateway (aiohttp web server, like the floor and rollgate): body in → `begin` to the
+  dataproxy → `start` to the worker → the worker's answer (streamed: its chunks as they come)
+  → `record` to the dataproxy → the answer out;
+- dataproxy: each op is one EVALSHA of a two-command script on its pipelined Redis connection;
+- worker: each start is one aiohttp client call to the upstream (like the floor and rollgate),
+  relaying the answer's bytes as they arrive.
+
+`bench/run.py --skeleton` runs it beside direct, floor and rollgate in the same rounds (the
+`skeleton` row). Roles: `python bench/skeleton.py {gateway,dataproxy,worker} …` (the bench
+starts them; see `Skeleton` in bench/run.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import struct
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import hiredis
+import uvloop
+from aiohttp import web
+
+_SIZE = struct.Struct(">I")
+# A frame: op (1 byte), id (4 bytes), payload.
+_HEAD = struct.Struct(">BI")
+BEGIN, START, START_STREAM, RECORD, ANSWER, CHUNK, END = range(7)
+SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]) return redis.call('INCR', KEYS[2])"
+
+
+class Framed(asyncio.Protocol):
+    """Frames in (to `on_frame`) and out (coalesced per turn of the loop)."""
+
+    def __init__(self, on_frame: Callable[[Framed, int, int, bytes], None]) -> None:
+        self._on_frame = on_frame
+        self._buffer = bytearray()
+        self._out: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        at = 0
+        while len(buffer) - at >= 4:
+            (size,) = _SIZE.unpack_from(buffer, at)
+            if len(buffer) - at - 4 < size:
+                break
+            op, ident = _HEAD.unpack_from(buffer, at + 4)
+            self._on_frame(self, op, ident, bytes(buffer[at + 9 : at + 4 + size]))
+            at += 4 + size
+        del buffer[:at]
+
+    def send(self, op: int, ident: int, payload: bytes = b"") -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(_SIZE.pack(5 + len(payload)) + _HEAD.pack(op, ident) + payload)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(out)
+
+
+class RedisPipe(asyncio.Protocol):
+    """EVALSHA on one pipelined connection: commands of one loop turn in one write."""
+
+    def __init__(self) -> None:
+        self._reader = hiredis.Reader()
+        self._waiting: list[Callable[[Any], None]] = []
+        self._out: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        while (reply := self._reader.gets()) is not False:
+            self._waiting.pop(0)(reply)
+
+    def call(self, command: tuple[Any, ...], done: Callable[[Any], None]) -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(hiredis.pack_command(command))
+        self._waiting.append(done)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        assert self.transport is not None
+        self.transport.writelines(out)
+
+
+async def dataproxy(port: int, redis_host: str, redis_port: int) -> None:
+    loop = asyncio.get_running_loop()
+    _, redis = await loop.create_connection(RedisPipe, redis_host, redis_port)
+    sha: list[str] = []
+    redis.call(("SCRIPT", "LOAD", SCRIPT), lambda reply: sha.append(reply.decode()))
+
+    def on_frame(conn: Framed, op: int, ident: int, payload: bytes) -> None:
+        key = b"skeleton:%d" % ident
+        redis.call(
+            ("EVALSHA", sha[0], 2, key, b"skeleton:count", payload[:64] or b"x"),
+            lambda reply: conn.send(ANSWER, ident, b"%d" % reply),
+        )
+
+    server = await loop.create_server(lambda: Framed(on_frame), "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+async def worker(port: int, upstream: str) -> None:
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    loop = asyncio.get_running_loop()
+
+    async def run(conn: Framed, op: int, ident: int, body: bytes) -> None:
+        async with session.post(upstream, data=body) as response:
+            if op == START:
+                conn.send(ANSWER, ident, await response.read())
+                return
+            async for data in response.content.iter_any():
+                conn.send(CHUNK, ident, data)
+            conn.send(END, ident)
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    def on_frame(conn: Framed, op: int, ident: int, payload: bytes) -> None:
+        task = loop.create_task(run(conn, op, ident, payload))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    server = await loop.create_server(lambda: Framed(on_frame), "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+class Peer:
+    """The gateway's connection to one peer: each call's frames go to its own queue."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
+        self.conn = Framed(self._on_frame)
+
+    def protocol(self) -> Framed:
+        return self.conn
+
+    def _on_frame(self, conn: Framed, op: int, ident: int, payload: bytes) -> None:
+        queue = self.waiting.get(ident)
+        if queue is not None:
+            queue.put_nowait((op, payload))
+
+    async def ask(self, op: int, ident: int, payload: bytes) -> bytes:
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self.waiting[ident] = queue
+        self.conn.send(op, ident, payload)
+        try:
+            return (await queue.get())[1]
+        finally:
+            del self.waiting[ident]
+
+
+def gateway(port: int, dataproxy_port: int, worker_port: int) -> None:
+    ids = iter(range(1, 1 << 31))
+    peers: dict[str, Peer] = {}
+
+    async def connect(app: web.Application) -> Any:
+        loop = asyncio.get_running_loop()
+        for name, peer_port in (("dataproxy", dataproxy_port), ("worker", worker_port)):
+            peer = peers[name] = Peer()
+            await loop.create_connection(peer.protocol, "127.0.0.1", peer_port)
+        yield
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        stream = b'"stream":true' in body
+        ident = next(ids)
+        await peers["dataproxy"].ask(BEGIN, ident, body[:32])
+        worker_peer = peers["worker"]
+        if not stream:
+            answer = await worker_peer.ask(START, ident, body)
+            await peers["dataproxy"].ask(RECORD, ident, answer[:64])
+            return web.Response(body=answer, content_type="application/json")
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        worker_peer.waiting[ident] = queue
+        worker_peer.conn.send(START_STREAM, ident, body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                op, data = await queue.get()
+                if op == END:
+                    break
+                # The end of the answer goes out only once it is recorded.
+                if b"[DONE]" in data:
+                    await peers["dataproxy"].ask(RECORD, ident, data[:64])
+                await response.write(data)
+        finally:
+            del worker_peer.waiting[ident]
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "skeleton"}]})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(connect)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one role until interrupted."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("role", choices=("gateway", "dataproxy", "worker"))
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dataproxy-port", type=int, default=0)
+    parser.add_argument("--worker-port", type=int, default=0)
+    parser.add_argument("--redis-port", type=int, default=6379)
+    parser.add_argument("--upstream", default="", help="the upstream's chat completions URL")
+    args = parser.parse_args(argv)
+    uvloop.install()
+    with contextlib.suppress(KeyboardInterrupt):
+        if args.role == "gateway":
+            gateway(args.port, args.dataproxy_port, args.worker_port)
+        elif args.role == "dataproxy":
+            asyncio.run(dataproxy(args.port, "127.0.0.1", args.redis_port))
+        else:
+            asyncio.run(worker(args.port, args.upstream))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
