@@ -28,7 +28,7 @@ from services.dataproxy.turn_ledger import TurnEnd, TurnLedger, decode_ticket
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
 from services.runtime.grpc_server import as_rollgate_error
 from services.runtime.logs import get_logger
-from services.runtime.tasks import cancel_and_wait
+from services.runtime.tasks import PerLoopTurn, cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer
 
 log = get_logger(__name__)
@@ -55,21 +55,17 @@ class _Stream:
         # lease token → ticket of turns admitted here, neither recorded nor released yet.
         self.admitted: dict[str, bytes] = {}
         self.ops: set[asyncio.Task[None]] = set()
-        self._direct = direct
-        self._ready: list[dataproxy_pb2.LedgerResponse] = []
+        self.direct: PerLoopTurn[dataproxy_pb2.LedgerResponse] | None = None
+        if direct is not None:
+            self.direct = PerLoopTurn(
+                lambda answers: direct(dataproxy_pb2.LedgerResponses(answers=answers))
+            )
 
     def put(self, answer: dataproxy_pb2.LedgerResponse) -> None:
-        if self._direct is None:
+        if self.direct is not None:
+            self.direct.put(answer)
+        else:
             self.answers.put_nowait(answer)
-            return
-        self._ready.append(answer)
-        if len(self._ready) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        if self._ready and self._direct is not None:
-            answers, self._ready = self._ready, []
-            self._direct(dataproxy_pb2.LedgerResponses(answers=answers))
 
 
 # Called with (op, gRPC status code name, seconds, error message) as each op ends: the
@@ -140,6 +136,8 @@ class LedgerStreams:
                 yield batch
                 if ended:
                     break
+            if stream.direct is not None:
+                stream.direct.flush_now()  # answers still waiting go out before the end
         finally:
             unsubscribe()
             await cancel_and_wait(reader)

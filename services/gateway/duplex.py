@@ -20,14 +20,14 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from services.runtime.framed import FramedCall
+from services.runtime.framed import FramedCall, PeerStream
 from services.runtime.tasks import cancel_and_wait
 
 Op = TypeVar("Op")
 
 
 class BatchedCall(Generic[Op]):
-    def __init__(self, call: Any, *, name: str) -> None:
+    def __init__(self, call: PeerStream, *, name: str) -> None:
         self._call = call
         self._outbox: list[Op] = []
         self._queued = asyncio.Event()
@@ -64,7 +64,7 @@ class BatchedCall(Generic[Op]):
     async def _reading(self) -> None:
         error: grpc.aio.AioRpcError | None = None
         try:
-            framed = await self._framed()
+            framed = await self._call.framed()
             if framed is not None:
                 ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -89,10 +89,6 @@ class BatchedCall(Generic[Op]):
             # too (else it waited forever and was destroyed pending with the stream).
             self._writer.cancel()
             self._ended(error)
-
-    async def _framed(self) -> FramedCall[Any] | None:
-        framed = getattr(self._call, "framed", None)
-        return await framed() if framed is not None else None
 
     def _queue(self, op: Op) -> None:
         self._outbox.append(op)

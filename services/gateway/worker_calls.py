@@ -6,9 +6,10 @@ Every relayed turn is a `TurnStart` on the stream to the worker the router chose
 call: docs/internals.md, *What a turn costs*). Every op queued in one turn of the event loop
 goes out as one `TurnOps`, and each `TurnEvent` read is handed to its turn
 (`duplex.BatchedCall`: no task per message on a framed stream). A turn reads its events in
-batches (all that came since it last asked: chunks that arrived together go on together). Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's
-chunks ahead of what its caller has taken; what the caller takes is credited back once half a
-window has gone, so a slow client stalls only its own turn. A stream that breaks fails its
+batches (all that came since it last asked: chunks that arrived together go on together).
+Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's chunks ahead of
+what its caller has taken; what the caller takes is credited back once half a window has
+gone, so a slow client stalls only its own turn. A stream that breaks fails its
 turns (a turn that had no event yet fails as `worker_unavailable`: the relay may route it
 to another worker) and is reopened by the next turn.
 """

@@ -271,10 +271,7 @@ class FramedCall(Generic[In]):
         connection = self._connection
         if connection.lost or connection.transport is None or connection.transport.is_closing():
             raise self._broken()
-        try:
-            connection.send(message)
-        except FrameError as err:
-            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
+        self.send_now(message)
         await connection.drained()
 
     def listen(self, on_message: Callable[[In], None], on_end: Callable[[], None]) -> None:

@@ -29,7 +29,7 @@ from protos import worker_pb2
 from services.runtime.errors import RollgateError, Unavailable
 from services.runtime.grpc_server import as_rollgate_error, check_request_strings
 from services.runtime.logs import get_logger
-from services.runtime.tasks import cancel_and_wait
+from services.runtime.tasks import PerLoopTurn, cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer
 from services.worker.metrics import WorkerMetrics
 from services.worker.turns import TurnRunner
@@ -66,17 +66,23 @@ class _Turn:
         if self._credit is not None:
             self._credit.set()
 
-    async def spend(self, size: int) -> None:
-        """Waits while the window is used up, then counts `size` (one event may cross the
-        window's end: the gateway credits once it has handed half a window on, so a turn
-        never waits on credit its gateway is not going to send)."""
-        if self._window:
-            while self.sent >= self.allowed:
-                if self._credit is None:
-                    self._credit = asyncio.Event()
-                self._credit.clear()
-                await self._credit.wait()
+    def spend_now(self, size: int) -> bool:
+        """Counts `size` when the window has room (or the turn has none); False when it must
+        wait for credit first (`spend`). One event may cross the window's end: the gateway
+        credits once it has handed half a window on, so a turn never waits on credit its
+        gateway is not going to send."""
+        if self._window and self.sent >= self.allowed:
+            return False
         self.sent += size
+        return True
+
+    async def spend(self, size: int) -> None:
+        """Waits while the window is used up, then counts `size`."""
+        while not self.spend_now(size):
+            if self._credit is None:
+                self._credit = asyncio.Event()
+            self._credit.clear()
+            await self._credit.wait()
 
 
 class _Stream:
@@ -93,24 +99,20 @@ class _Stream:
         # The gateway closed its side: the stream ends once its turns are done.
         self.read_all = False
         self.ended = False
-        self._direct = direct
-        self._flush_due = False
+        self._direct: PerLoopTurn[worker_pb2.TurnEvent] | None = None
+        if direct is not None:
+            self._direct = PerLoopTurn(lambda events: direct(worker_pb2.TurnEvents(events=events)))
 
     def send(self, event: worker_pb2.TurnEvent) -> None:
-        self.outbox.append(event)
-        if self._direct is None:
+        if self._direct is not None:
+            self._direct.put(event)
+        else:
+            self.outbox.append(event)
             self.ready.set()
-        elif not self._flush_due:
-            self._flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        if self.outbox and self._direct is not None:
-            events, self.outbox = self.outbox, []
-            self._direct(worker_pb2.TurnEvents(events=events))
 
     def end(self) -> None:
+        if self._direct is not None:
+            self._direct.flush_now()  # what was sent before the end goes out before it
         self.ended = True
         self.ready.set()
 
@@ -149,8 +151,7 @@ class TurnStreams:
     ) -> AsyncIterator[worker_pb2.TurnEvents]:
         """One stream's events until the gateway closes its side (and its turns are done) or
         this process shuts the stream down; each message carries every event that was ready.
-        With `send` (a framed stream) the events go to it instead of being yielded, what is
-        left when the stream ends excepted."""
+        With `send` (a framed stream) the events go to it instead of being yielded."""
         stream = _Stream(send)
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(stream, requests), name="turns-reader")
@@ -267,9 +268,7 @@ class TurnStreams:
         async with contextlib.aclosing(responses):
             async for response in responses:
                 size = batch_size(response.chunks) if response.HasField("chunks") else 0
-                if turn.sent < turn.allowed:  # within its window: no wait (the usual case)
-                    turn.sent += size
-                else:
+                if not turn.spend_now(size):  # no coroutine while within the window
                     await turn.spend(size)
                 stream.send(worker_pb2.TurnEvent(id=turn.id, generated=response, size=size))
 
