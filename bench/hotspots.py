@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import pstats
 import shutil
 import subprocess
@@ -137,13 +136,6 @@ def _show_cprofile(stats: Path, top: int) -> None:
         pstats.Stats(str(stats)).strip_dirs().sort_stats(order).print_stats(top)
 
 
-def _user_sys(pid: int) -> tuple[float, float]:
-    """CPU seconds (user, system) a process has used so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(stat[11]) / tick, int(stat[12]) / tick
-
-
 def main(argv: list[str] | None = None) -> int:
     """Profiles the chosen cell (or the idle stack) and prints each process's summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -180,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         with run.environment(cell, run_args, Path(tmp)) as env:
             pids = env.processes.pids
             if args.idle:
-                before = env.processes.cpu_s()
-                time.sleep(args.seconds)
-                after = env.processes.cpu_s()
+                at_start = env.processes.cpu_s()
+                time.sleep(args.seconds)  # the stack idles meanwhile: what is measured
+                at_end = env.processes.cpu_s()
                 print(f"idle stack, CPU ms per second over {args.seconds:.0f} s:")
-                for name in sorted(after):
-                    used = 1000 * (after[name] - before.get(name, after[name])) / args.seconds
+                for name in sorted(at_end):
+                    used = 1000 * (at_end[name] - at_start.get(name, at_end[name])) / args.seconds
                     print(f"  {name:12s} {used:7.2f}")
                 return 0
             asyncio.run(_load(env, cell, args.warmup_s))
@@ -207,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     ),
                 )  # fmt: skip
-            before = {n: _user_sys(p) for n, p in pids.items()}
+            before = env.processes.cpu_split()
             requests, errors = asyncio.run(_load(env, cell, args.seconds))
-            after = {n: _user_sys(p) for n, p in pids.items()}
+            after = env.processes.cpu_split()
             for _, process in spies.values():
                 process.wait(timeout=60)
     print(f"{cell.title}: {requests} requests, {errors} errors in {args.seconds:.0f} s")

@@ -188,13 +188,17 @@ class Processes:
 
     def cpu_s(self) -> dict[str, float]:
         """CPU used so far by each process."""
+        return {name: sum(split) for name, split in self.cpu_split().items()}
+
+    def cpu_split(self) -> dict[str, tuple[float, float]]:
+        """CPU seconds (user, system) used so far by each process (gone ones left out)."""
         used = {}
         for name, pid in self.pids.items():
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            used[name] = (int(stat[11]) + int(stat[12])) / self._tick
+            used[name] = (int(stat[11]) / self._tick, int(stat[12]) / self._tick)
         return used
 
 
