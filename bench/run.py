@@ -352,19 +352,25 @@ def _skeleton(
         "dataproxy": ["--redis-port", redis_port],
         "worker": ["--upstream", mock_url + "/v1/chat/completions"],
     }
-    for role in ("dataproxy", "worker"):
-        log = logs / f"skeleton-{role}.log"
-        started[role] = _spawn(
-            [sys.executable, script, role, "--port", str(ports[role]), *argv[role]], log, REPO
-        )
-        _listening(ports[role], started[role], log)
-    started["gateway"], url = _serve_http(
-        [
-            sys.executable, script, "gateway", "--port", "{port}",
-            "--dataproxy-port", str(ports["dataproxy"]), "--worker-port", str(ports["worker"]),
-        ],
-        logs / "skeleton-gateway.log",
-    )  # fmt: skip
+    try:
+        for role in ("dataproxy", "worker"):
+            log = logs / f"skeleton-{role}.log"
+            started[role] = _spawn(
+                [sys.executable, script, role, "--port", str(ports[role]), *argv[role]], log, REPO
+            )
+            _listening(ports[role], started[role], log)
+        started["gateway"], url = _serve_http(
+            [
+                sys.executable, script, "gateway", "--port", "{port}",
+                "--dataproxy-port", str(ports["dataproxy"]), "--worker-port", str(ports["worker"]),
+            ],
+            logs / "skeleton-gateway.log",
+        )  # fmt: skip
+    except BaseException:
+        for process in started.values():  # none is left running when one did not start
+            process.kill()
+            process.wait()
+        raise
     return started, url
 
 
