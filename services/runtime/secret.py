@@ -148,6 +148,10 @@ def scrub(text: str, known: Iterable[str] = ()) -> str:
     for value in known:
         if value and value in text:
             text = text.replace(value, MASK)
+    # Every shape holds one of these literally: two substring searches skip the regex (8 µs
+    # over a 250-character log line) for the text that has none.
+    if "sk-" not in text and "earer" not in text:
+        return text
     return _SECRET_SHAPES.sub(_mask_match, text)
 
 

@@ -11,7 +11,7 @@ import grpc
 import orjson
 import pytest
 
-from protos import dataproxy_pb2, dataproxy_pb2_grpc
+from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2
 from services.gateway.ledger import Admitted, LedgerClient, Replica
 from services.gateway.relay import Chunks, Done
 from services.runtime import grpc_server
@@ -20,6 +20,7 @@ from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest
 from tests.dataproxy.turn_records import turn_record
 from tests.harness.inprocess import (
+    ADMIN_KEY,
     RPC_TIMEOUT_S,
     DataproxyChain,
     collect,
@@ -27,6 +28,7 @@ from tests.harness.inprocess import (
 )
 from tests.harness.poll import eventually
 
+AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
 REQUEST = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
 
 
@@ -215,6 +217,49 @@ async def test_each_op_of_a_message_gets_its_own_answer(chain: Chain) -> None:
     assert b"unknown session key" in answers[8].error_json
     assert b"ticket" in answers[9].error_json
     await eventually(chain.in_flight, want=0, what="the lease of the cancelled stream released")
+
+
+async def test_an_op_past_its_deadline_answers_that_it_timed_out(
+    redis_url: str, key_prefix: str
+) -> None:
+    # Paused for longer than the op may take: the begin waits, then its deadline ends it.
+    async with running_dataproxy_chain(
+        redis_url, key_prefix, chain_type=Chain, pause_wait_s=60.0
+    ) as chain:
+        digest = await chain.start()
+        paused = await chain.trainer.PauseSubmission(
+            trainer_pb2.PauseSubmissionRequest(timeout_s=1), metadata=AUTH, timeout=5
+        )
+        assert paused.drained
+        call: Any = chain.dataproxy.Ledger()
+        try:
+            await call.write(
+                dataproxy_pb2.LedgerRequests(
+                    ops=[
+                        dataproxy_pb2.LedgerRequest(
+                            id=3, timeout_s=0.3, begin=dataproxy_pb2.BeginTurn(key_digest=digest)
+                        )
+                    ]
+                )
+            )
+            # Far less than the pause wait: only the op's own deadline answers it this soon.
+            async with asyncio.timeout(RPC_TIMEOUT_S):
+                answer = None
+                while answer is None:
+                    message = await call.read()
+                    answer = next((a for a in message.answers if a.id == 3), None)
+        finally:
+            call.cancel()
+
+        error = orjson.loads(answer.error_json)
+        assert error["code"] == "dataproxy_timeout", error
+        await chain.trainer.ResumeSubmission(
+            trainer_pb2.ResumeSubmissionRequest(), metadata=AUTH, timeout=5
+        )
+        # Nothing was taken: the next turn is admitted and recorded, no lease left over.
+        admitted = await chain.begin(chain.ledger, digest)
+        assert await chain.record(chain.ledger, digest, admitted.ticket) == "chatcmpl-ledger"
+        assert await chain.in_flight() == 0
 
 
 @pytest.fixture
