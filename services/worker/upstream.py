@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import yarl
 from multidict import CIMultiDictProxy
 
 from services.runtime import tracing
@@ -24,6 +25,7 @@ from services.runtime.errors import (
 )
 from services.runtime.logs import get_logger
 from services.runtime.secret import Secret, mask_addresses, scrub
+from services.worker.http1 import ConnectError, Http1Pool, Http1Response, HttpError
 from services.worker.turn import ClientAsk
 
 log = get_logger(__name__)
@@ -313,8 +315,16 @@ def error_for_status(
     return UpstreamError(f"the upstream failed with HTTP {status}: {message}")
 
 
+# What post_chat yields: either client's answer (the same calls on both).
+Response = aiohttp.ClientResponse | Http1Response
+# What a failed read raises, from either client.
+_READ_ERRORS = (aiohttp.ClientError, HttpError)
+
+
 class UpstreamClient:
-    """One aiohttp session to the upstream, opened and closed by `async with`."""
+    """The upstream's HTTP clients, opened and closed by `async with`: chat calls to an
+    `http://` upstream on rollgate's lean HTTP/1.1 client (services/worker/http1.py), the rest
+    (and an `https://` upstream) on one aiohttp session."""
 
     def __init__(
         self,
@@ -332,6 +342,9 @@ class UpstreamClient:
         self._api_key = api_key
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        # Chat calls to an http:// upstream, and the URL prefix they are made under.
+        self._http1: Http1Pool | None = None
+        self._origin = ""
 
     async def __aenter__(self) -> UpstreamClient:
         headers = {"Authorization": f"Bearer {self._api_key.reveal()}"} if self._api_key else {}
@@ -341,9 +354,22 @@ class UpstreamClient:
             connector=aiohttp.TCPConnector(limit=1024),
             raise_for_status=False,
         )
+        url = yarl.URL(self.base_url)
+        # Credentials in the URL (basic auth) stay aiohttp's to send.
+        if url.scheme == "http" and url.raw_host and url.port and not url.user:
+            self._origin = str(url.origin())
+            self._http1 = Http1Pool(
+                url.raw_host,
+                url.port,
+                connect_timeout_s=self._connect_timeout_s,
+                headers={**headers, **_JSON},
+            )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._http1 is not None:
+            await self._http1.close()
+            self._http1 = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -373,20 +399,26 @@ class UpstreamClient:
     @contextlib.asynccontextmanager
     async def post_chat(
         self, body: bytes, *, deadline: float, url: str | None = None
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    ) -> AsyncIterator[Response]:
         """POSTs to /chat/completions (or `url`); yields a 200 response, closed on exit."""
         url = url or self.chat_url
+        response: Response
         try:
             async with asyncio.timeout_at(deadline):
                 # The turn's traceparent goes on: an engine that traces (vLLM with
                 # --otlp-traces-endpoint) joins the client's trace.
-                response = await self.session.post(
-                    url, data=body, headers={**_JSON, **tracing.http_headers()}
-                )
+                if self._http1 is not None and url.startswith(self._origin + "/"):
+                    response = await self._http1.request(
+                        "POST", url[len(self._origin) :], body, tracing.http_headers()
+                    )
+                else:
+                    response = await self.session.post(
+                        url, data=body, headers={**_JSON, **tracing.http_headers()}
+                    )
         except TimeoutError:
             log.warning("upstream_timeout", url=url)
             raise UpstreamTimeout("the upstream did not answer in time") from None
-        except aiohttp.ClientConnectorError as err:
+        except (aiohttp.ClientConnectorError, ConnectError) as err:
             # Addresses and OS errors go to the worker's log; the client hears the cause.
             log.warning("upstream_unreachable", url=url, error=str(err.os_error))
             refused = isinstance(err.os_error, ConnectionRefusedError)
@@ -397,7 +429,7 @@ class UpstreamClient:
                 code="upstream_unavailable",
                 retry_after_s=1.0,
             ) from None
-        except aiohttp.ClientError as err:
+        except _READ_ERRORS as err:
             log.warning("upstream_call_failed", url=url, error=type(err).__name__, detail=str(err))
             raise UpstreamError("the upstream call failed; see the worker's log") from None
         try:
@@ -414,14 +446,14 @@ class UpstreamClient:
                 response.close()
             response.release()
 
-    async def _read_error_body(self, response: aiohttp.ClientResponse, *, deadline: float) -> bytes:
+    async def _read_error_body(self, response: Response, *, deadline: float) -> bytes:
         try:
             async with asyncio.timeout_at(deadline):
                 return await response.content.read(_ERROR_BODY_LIMIT)
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, *_READ_ERRORS):
             return b""
 
-    async def read_json(self, response: aiohttp.ClientResponse, *, deadline: float) -> Any:
+    async def read_json(self, response: Response, *, deadline: float) -> Any:
         """The whole body of a non-streaming answer, parsed."""
         with _mid_response_errors():
             async with asyncio.timeout_at(deadline):
@@ -432,7 +464,7 @@ class UpstreamClient:
             raise UpstreamError("the upstream answered with a body that is not JSON") from None
 
     async def read_events(
-        self, response: aiohttp.ClientResponse, *, deadline: float
+        self, response: Response, *, deadline: float
     ) -> AsyncIterator[list[bytes]]:
         """SSE payloads in batches: each batch is what had arrived when it was read.
 
@@ -453,7 +485,7 @@ class UpstreamClient:
             while True:
                 try:
                     data = await content.readany()
-                except aiohttp.ClientError as err:
+                except _READ_ERRORS as err:
                     if expired:
                         raise _timed_out() from None
                     raise _broken_off(err) from None
@@ -475,7 +507,7 @@ def _timed_out() -> UpstreamTimeout:
     return UpstreamTimeout("the upstream did not finish its answer in time")
 
 
-def _broken_off(err: aiohttp.ClientError) -> UpstreamError:
+def _broken_off(err: Exception) -> UpstreamError:
     log.warning("upstream_broken_stream", error=type(err).__name__, detail=str(err))
     return UpstreamError(
         "the upstream broke off its answer mid-response", code="upstream_broken_stream"
@@ -488,5 +520,5 @@ def _mid_response_errors() -> Iterator[None]:
         yield
     except TimeoutError:
         raise _timed_out() from None
-    except aiohttp.ClientError as err:
+    except _READ_ERRORS as err:
         raise _broken_off(err) from None
