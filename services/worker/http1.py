@@ -30,6 +30,10 @@ _MAX_HEAD_BYTES: Final = 64 * 1024
 # Reading pauses while more body than this waits for the reader, and resumes below _LOW_WATER.
 _HIGH_WATER: Final = 256 * 1024
 _LOW_WATER: Final = 64 * 1024
+# Chunked framing: longest size or trailer line taken, and the states between chunks.
+_MAX_FRAMING_BYTES: Final = 4096
+_CHUNK_END: Final = -1
+_TRAILERS: Final = -2
 # Idle connections kept per upstream (more are closed as they come back).
 _MAX_IDLE: Final = 256
 
@@ -182,8 +186,10 @@ class Http1Response:
         # The body's framing: bytes still to come (Content-Length), chunked, or until close.
         self._left = -1
         self._chunked = False
+        # A chunk's data bytes still to come (> 0), or where the framing stands: a size line
+        # next (0), the CRLF after a chunk (_CHUNK_END), trailer lines (_TRAILERS).
         self._chunk_left = 0
-        self._chunk_state = bytearray()
+        self._framing = b""
         self._released = False
         # Whether any byte of the answer came (a request that failed before may go again).
         self.answered = False
@@ -311,62 +317,55 @@ class Http1Response:
         self._wake()
 
     def _dechunk(self, data: bytes) -> None:
-        """Chunked transfer coding: chunk bytes through, sizes and trailers parsed."""
+        """Chunked transfer coding: chunk bytes through, sizes and trailers parsed. Framing
+        that arrives cut (a size line, the CRLF after a chunk) waits in `_framing` for the
+        rest; the usual read holds whole chunks and takes one `find` each."""
+        if self._eof:
+            raise HttpError("the upstream sent bytes after its answer")
+        if self._framing:
+            data = self._framing + data
+            self._framing = b""
         at = 0
         end = len(data)
-        while at < end and not self._eof:
-            if self._chunk_left > 0:
-                take = min(self._chunk_left, end - at)
+        while at < end:
+            left = self._chunk_left
+            if left > 0:  # inside a chunk's data
+                take = left if left < end - at else end - at
                 self._push(data[at : at + take])
-                self._chunk_left -= take
                 at += take
-                if self._chunk_left == 0:
-                    self._chunk_left = -2  # the CRLF after the chunk
+                self._chunk_left = left - take or _CHUNK_END
                 continue
-            if self._chunk_left == -2:
-                need = 2 - len(self._chunk_state)
-                self._chunk_state += data[at : at + need]
-                at += need
-                if len(self._chunk_state) == 2:
-                    if self._chunk_state != b"\r\n":
-                        raise HttpError("a chunk of the upstream's answer is malformed")
-                    self._chunk_state.clear()
-                    self._chunk_left = 0
+            if left == _CHUNK_END:  # the CRLF after a chunk's data
+                if end - at < 2:
+                    self._framing = data[at:]
+                    return
+                if data[at : at + 2] != b"\r\n":
+                    raise HttpError("a chunk of the upstream's answer is malformed")
+                at += 2
+                self._chunk_left = 0
                 continue
-            if self._chunk_left == -3:  # trailers, after the last chunk: up to an empty line
-                self._chunk_state += data[at:]
-                at = end
-                stop = self._chunk_state.find(b"\r\n")
-                while stop >= 0:
-                    line = bytes(self._chunk_state[:stop])
-                    del self._chunk_state[: stop + 2]
-                    if not line:
-                        self._eof = True
-                        if self._chunk_state:
-                            raise HttpError("the upstream sent bytes after its answer")
-                        break
-                    stop = self._chunk_state.find(b"\r\n")
-                continue
-            # A chunk-size line.
-            stop = data.find(b"\n", at)
+            stop = data.find(b"\r\n", at)
             if stop < 0:
-                self._chunk_state += data[at:]
-                if len(self._chunk_state) > 1024:
+                self._framing = data[at:]
+                if len(self._framing) > _MAX_FRAMING_BYTES:
                     raise HttpError("a chunk size line of the upstream's answer is too long")
                 return
-            line = bytes(self._chunk_state) + data[at:stop]
-            self._chunk_state.clear()
-            at = stop + 1
+            line = data[at:stop]
+            at = stop + 2
+            if left == _TRAILERS:  # after the last chunk: trailer lines up to an empty one
+                if not line:
+                    self._eof = True
+                    if at < end:
+                        raise HttpError("the upstream sent bytes after its answer")
+                    return
+                continue
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
             except ValueError:
                 raise HttpError("a chunk size of the upstream's answer is not a number") from None
-            if size == 0:
-                self._chunk_left = -3
-            else:
-                self._chunk_left = size
-        if at < end:
-            raise HttpError("the upstream sent bytes after its answer")
+            if size < 0:
+                raise HttpError("a chunk size of the upstream's answer is not a number")
+            self._chunk_left = size if size else _TRAILERS
 
     def _push(self, data: bytes) -> None:
         if data:

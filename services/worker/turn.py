@@ -187,26 +187,59 @@ class TurnAccumulator:
 
     def add_chunk(self, chunk: dict[str, Any], *, token_ids: bool = False) -> None:
         """Absorbs one `chat.completion.chunk` (the standard OpenAI fields of choice 0), and
-        with `token_ids` the ids it carries (`add_token_ids`, without a second lookup)."""
-        self._read_header(chunk)
+        with `token_ids` the ids it carries (`add_token_ids`, without a second lookup).
+
+        Runs once per streamed chunk, usually alone on a wake-up of the loop (one token per
+        read), where every call costs: the common chunk — one choice, a content delta, one
+        logprob entry, its ids — takes no call beyond the lookups (the same reads as
+        `_read_header`, `_add_token_ids`, `_add_delta_rest` and `_add_logprobs`)."""
+        if self.interaction_id and self.model:
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                self.usage = usage
+        else:
+            self._read_header(chunk)
         choice = choice_zero(chunk)
         if token_ids:
-            self._add_token_ids(chunk, choice)
+            if self.prompt_token_ids is None:
+                self._add_token_ids(chunk, choice)
+            elif choice is not None:
+                output = choice.get("token_ids")
+                if isinstance(output, list):
+                    if self.output_token_ids is None:
+                        self.output_token_ids = []
+                    self.output_token_ids.extend(output)
+                    if output:
+                        self.output_seen = True
         if choice is None:
             return
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            self._add_delta(delta)
-        if self._add_logprobs(choice.get("logprobs")):
-            self.output_seen = True
-        if isinstance(choice.get("finish_reason"), str):
-            self.finish_reason = choice["finish_reason"]
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                self.content.append(content)
+                self.output_seen = True
+            if (
+                "reasoning_content" in delta
+                or "reasoning" in delta
+                or delta.get("tool_calls") is not None
+            ):
+                self._add_delta_rest(delta)
+        logprobs = choice.get("logprobs")
+        if logprobs is not None:
+            entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+            if isinstance(entries, list):
+                for entry in entries:
+                    if isinstance(entry, dict) and "logprob" in entry:
+                        self.logprobs.append(float(entry["logprob"]))
+                        self._sampled.append(entry)
+                        self.output_seen = True
+        finish_reason = choice.get("finish_reason")
+        if isinstance(finish_reason, str):
+            self.finish_reason = finish_reason
 
-    def _add_delta(self, delta: dict[str, Any]) -> None:
-        content = delta.get("content")
-        if isinstance(content, str) and content:
-            self.content.append(content)
-            self.output_seen = True
+    def _add_delta_rest(self, delta: dict[str, Any]) -> None:
+        """A delta's reasoning and tool-call fragments (its content is taken already)."""
         reasoning = delta.get("reasoning_content")
         if not isinstance(reasoning, str):
             reasoning = delta.get("reasoning")

@@ -33,7 +33,7 @@ from services.runtime.tasks import PerLoopTurn, cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer
 from services.worker.metrics import WorkerMetrics
 from services.worker.turns import TurnRunner
-from services.worker.wire import batch_size, completed, generated
+from services.worker.wire import StreamedTurn, batch_size, completed
 
 log = get_logger(__name__)
 
@@ -264,13 +264,25 @@ class TurnStreams:
             )
             stream.send(worker_pb2.TurnEvent(id=turn.id, completed=answer))
             return
-        responses = generated(self._runner, start.request, budget_s=budget_s, metrics=self._metrics)
-        async with contextlib.aclosing(responses):
-            async for response in responses:
-                size = batch_size(response.chunks) if response.HasField("chunks") else 0
-                if not turn.spend_now(size):  # no coroutine while within the window
-                    await turn.spend(size)
-                stream.send(worker_pb2.TurnEvent(id=turn.id, generated=response, size=size))
+        # The runner's events straight into TurnEvents (no generator between, no copy).
+        streamed = StreamedTurn(
+            self._runner, start.request, budget_s=budget_s, metrics=self._metrics
+        )
+        try:
+            async with contextlib.aclosing(streamed.events):
+                async for event in streamed.events:
+                    message = worker_pb2.TurnEvent(id=turn.id)
+                    response = message.generated
+                    if not streamed.fill(event, response):
+                        continue
+                    size = batch_size(response.chunks) if response.HasField("chunks") else 0
+                    if not turn.spend_now(size):  # no coroutine while within the window
+                        await turn.spend(size)
+                    message.size = size
+                    stream.send(message)
+        except RollgateError as err:
+            streamed.failed(err)
+            raise
 
     def _traced(
         self, traceparent: str, method: str

@@ -39,7 +39,7 @@ from services.worker.upstream import (
 log = get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class StreamBatch:
     """Client chunks that arrived together, and the sampled output tokens they carry."""
 

@@ -81,13 +81,13 @@ def _delta(delta: AnswerDelta) -> worker_pb2.Delta:
     )
 
 
-def _batch(event: StreamBatch) -> worker_pb2.ChunkBatch:
-    batch = worker_pb2.ChunkBatch(
-        chunks=event.chunks, output_tokens=event.output_tokens, prompt_tokens=event.prompt_tokens
-    )
+def _fill_batch(batch: worker_pb2.ChunkBatch, event: StreamBatch) -> None:
+    batch.SetInParent()  # present even when empty (an answer's end with nothing in it)
+    batch.chunks.extend(event.chunks)
+    batch.output_tokens = event.output_tokens
+    batch.prompt_tokens = event.prompt_tokens
     if event.delta:
         batch.delta.CopyFrom(_delta(event.delta))
-    return batch
 
 
 def batch_size(batch: worker_pb2.ChunkBatch) -> int:
@@ -109,6 +109,57 @@ def client_of(request: worker_pb2.GenerateRequest) -> ClientRequest:
     )
 
 
+class StreamedTurn:
+    """One streamed turn's events (`events`, to iterate and close) as `GenerateResponse`s:
+    `fill` writes each into a message, holding the batch that ended the answer back to travel
+    with the record (one message) unless it is also the first — the first token is never
+    held back. A consumer builds its own message around the response (a `TurnEvent` of the
+    turn stream takes it in place: no copy per batch) and calls `failed` with a RollgateError
+    the events raise, before raising it on."""
+
+    def __init__(
+        self,
+        runner: TurnRunner,
+        request: worker_pb2.GenerateRequest,
+        *,
+        budget_s: float,
+        metrics: WorkerMetrics | None,
+    ) -> None:
+        self.events = runner.stream(
+            client_of(request),
+            budget_s=budget_s,
+            request_id=request.request_id,
+            deltas_only=request.deltas_only,
+        )
+        self._request = request
+        self._metrics = metrics
+        self._sent = False
+        self._last: StreamBatch | None = None
+
+    def fill(self, event: StreamBatch | TurnResult, response: worker_pb2.GenerateResponse) -> bool:
+        """Writes the message of `event` into `response` (empty); False when the event is
+        held back for the next message."""
+        if isinstance(event, TurnResult):
+            if self._metrics is not None:
+                self._metrics.finished(event, stream=True)
+            response.record.CopyFrom(turn_record(event))
+            if self._last is not None:
+                _fill_batch(response.chunks, self._last)
+            return True
+        if event.final and self._sent:
+            self._last = event
+            return False
+        self._sent = True
+        _fill_batch(response.chunks, event)
+        return True
+
+    def failed(self, err: RollgateError) -> None:
+        """Logs and counts the turn's failure."""
+        log_failure(self._request, err)
+        if self._metrics is not None:
+            self._metrics.failed(err, stream=True)
+
+
 async def generated(
     runner: TurnRunner,
     request: worker_pb2.GenerateRequest,
@@ -117,35 +168,15 @@ async def generated(
     metrics: WorkerMetrics | None,
 ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """A streamed turn's messages; raises RollgateError (logged and counted)."""
-    events = runner.stream(
-        client_of(request),
-        budget_s=budget_s,
-        request_id=request.request_id,
-        deltas_only=request.deltas_only,
-    )
-    # The batch that ended the answer travels with the record (one message), unless it is
-    # also the first: the first token is never held back.
-    sent = False
-    last: worker_pb2.ChunkBatch | None = None
+    turn = StreamedTurn(runner, request, budget_s=budget_s, metrics=metrics)
     try:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                if isinstance(event, TurnResult):
-                    if metrics is not None:
-                        metrics.finished(event, stream=True)
-                    response = worker_pb2.GenerateResponse(record=turn_record(event))
-                    if last is not None:
-                        response.chunks.CopyFrom(last)
+        async with contextlib.aclosing(turn.events):
+            async for event in turn.events:
+                response = worker_pb2.GenerateResponse()
+                if turn.fill(event, response):
                     yield response
-                elif event.final and sent:
-                    last = _batch(event)
-                else:
-                    sent = True
-                    yield worker_pb2.GenerateResponse(chunks=_batch(event))
     except RollgateError as err:
-        log_failure(request, err)
-        if metrics is not None:
-            metrics.failed(err, stream=True)
+        turn.failed(err)
         raise
 
 
