@@ -161,7 +161,7 @@ class Control:
     async def admit(self, begin: Begin[AdmittedT]) -> tuple[AdmittedT, TurnLease]:
         """Runs `begin` (which resolves the turn's episode and registers its in-flight lease
         in one script) until submission is not paused: waits up to pause_wait_s, then 503."""
-        token = secrets.token_hex(12)
+        token, _ = self.new_lease()
         deadline = time.monotonic() + self._pause_wait_s
         delay = POLL_MIN_S
         while True:
@@ -180,6 +180,10 @@ class Control:
                 )
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, POLL_MAX_S)
+
+    def new_lease(self) -> tuple[str, float]:
+        """A new turn's in-flight token and the lease's deadline if it is taken now."""
+        return secrets.token_hex(12), time.time() + self._lease_s
 
     async def release(self, lease: TurnLease) -> None:
         """The turn finished (recorded or not): it no longer counts as in flight, nor among its

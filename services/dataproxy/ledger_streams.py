@@ -21,10 +21,17 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from protos import dataproxy_pb2
 from services.dataproxy.control import WeightVersionView
-from services.dataproxy.turn_ledger import TurnEnd, TurnLedger, decode_ticket
+from services.dataproxy.turn_ledger import (
+    Admission,
+    RecordedTurn,
+    TurnEnd,
+    TurnLedger,
+    decode_ticket,
+)
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
 from services.runtime.grpc_server import as_rollgate_error
 from services.runtime.logs import get_logger
@@ -58,8 +65,9 @@ class _Stream:
         self.answers: asyncio.Queue[dataproxy_pb2.LedgerResponse | None] = asyncio.Queue()
         # lease token → ticket of turns admitted here, neither recorded nor released yet.
         self.admitted: dict[str, bytes] = {}
-        # The ops under way → their deadlines (loop time).
-        self.ops: dict[asyncio.Task[None], float] = {}
+        # The ops under way (a task, or the future of one sent without a task) → their
+        # deadlines (loop time).
+        self.ops: dict[asyncio.Future[Any], float] = {}
         self.direct: PerLoopTurn[dataproxy_pb2.LedgerResponse] | None = None
         if direct is not None:
             self.direct = PerLoopTurn(
@@ -103,7 +111,7 @@ class LedgerStreams:
         self._drained = asyncio.Event()
         # The deadline sweep (armed while ops are under way) and the ops it timed out.
         self._sweep: asyncio.TimerHandle | None = None
-        self._expired: set[asyncio.Task[None]] = set()
+        self._expired: set[asyncio.Future[Any]] = set()
 
     @property
     def unfinished(self) -> int:
@@ -149,8 +157,9 @@ class LedgerStreams:
         finally:
             unsubscribe()
             await cancel_and_wait(reader)
-            # What is under way finishes (a record lands even when the gateway went away).
-            if stream.ops:
+            # What is under way finishes (a record lands even when the gateway went away; an
+            # op sent without a task may hand over to one as it ends).
+            while stream.ops:
                 await asyncio.wait(set(stream.ops))
             self._streams.discard(stream)
             await self._release_unfinished(stream)
@@ -193,21 +202,97 @@ class LedgerStreams:
     ) -> None:
         try:
             loop = asyncio.get_running_loop()
-            ops = stream.ops
             async for batch in requests:
                 for request in batch.ops:
-                    # One task per op (two per turn): a begin that waits out a pause holds up
-                    # nothing else.
-                    op = loop.create_task(self._answer(stream, request))
-                    ops[op] = loop.time() + (request.timeout_s or DEFAULT_OP_TIMEOUT_S)
-                    op.add_done_callback(ops.pop)
+                    deadline = loop.time() + (request.timeout_s or DEFAULT_OP_TIMEOUT_S)
+                    if not self._now(stream, request, deadline):
+                        self._task(stream, request, deadline)
                 if self._sweep is None:
                     self._sweep = loop.call_later(DEADLINE_SWEEP_S, self._expire)
         finally:
             # The gateway closed its side (or went away): answer what it asked, then end.
-            if stream.ops:
+            while stream.ops:
                 await asyncio.wait(set(stream.ops))
             stream.answers.put_nowait(None)
+
+    def _task(self, stream: _Stream, request: dataproxy_pb2.LedgerRequest, deadline: float) -> None:
+        """The op in a task of its own: a begin that waits out a pause holds up nothing else."""
+        op = asyncio.get_running_loop().create_task(self._answer(stream, request))
+        stream.ops[op] = deadline
+        op.add_done_callback(stream.ops.pop)
+
+    def _now(self, stream: _Stream, request: dataproxy_pb2.LedgerRequest, deadline: float) -> bool:
+        """The common begin and record sent at once, answered from the reply's callback
+        without a task (docs/internals.md, *The turn ledger*); False when the op needs its
+        task from the start (a release, a traced op, this process shutting down). An op the
+        reply does not settle (paused, the version moved...) continues in its task."""
+        kind = request.WhichOneof("op")
+        if request.traceparent or (self._tracer is not None and self._tracer.exporter):
+            return False
+        started = time.perf_counter()
+        future: asyncio.Future[Any] | None
+        if kind == "begin":
+            if self._closing:
+                return False
+            begin = request.begin
+            future = self._ledger.begin_now(begin.key_digest, session_id=begin.session_id)
+        elif kind == "record":
+            record = request.record
+            future = self._ledger.record_now(record.ticket, _turn_end(record))
+            if future is not None:
+                self._forget(record.ticket)
+        else:
+            return False
+        if future is None:
+            return False
+        stream.ops[future] = deadline
+        future.add_done_callback(
+            lambda done: self._answered(stream, request, kind, started, deadline, done)
+        )
+        return True
+
+    def _answered(
+        self,
+        stream: _Stream,
+        request: dataproxy_pb2.LedgerRequest,
+        kind: str,
+        started: float,
+        deadline: float,
+        done: asyncio.Future[Any],
+    ) -> None:
+        """An op sent without a task is settled: its answer, or its task takes over."""
+        stream.ops.pop(done, None)
+        answer: dataproxy_pb2.LedgerResponse
+        if done.cancelled():  # the deadline sweep
+            self._expired.discard(done)
+            answer, code, message = self._failed(TimeoutError(), kind)
+        elif (error := done.exception()) is not None:
+            answer, code, message = self._failed(error, kind)
+        elif (result := done.result()) is None:
+            self._task(stream, request, deadline)
+            return
+        else:
+            code, message = "OK", ""
+            if kind == "begin":
+                stream.admitted[result.token] = result.ticket
+                answer = _admitted(result)
+            else:
+                answer = _recorded(result)
+        answer.id = request.id
+        stream.put(answer)
+        if self._on_op is not None:
+            self._on_op(kind, code, time.perf_counter() - started, message)
+        self._check_drained()
+
+    @staticmethod
+    def _failed(err: BaseException, kind: str) -> tuple[dataproxy_pb2.LedgerResponse, str, str]:
+        """A failed op's answer, its gRPC code name and message."""
+        error = err if isinstance(err, RollgateError) else None
+        if error is None:
+            cause = err if isinstance(err, Exception) else RuntimeError(type(err).__name__)
+            error = as_rollgate_error(cause, service="dataproxy", method=f"{METHOD}/{kind}")
+        answer = dataproxy_pb2.LedgerResponse(error_json=error.to_payload())
+        return answer, error.grpc_status.name, error.message
 
     def _expire(self) -> None:
         """The deadline sweep: ops past their deadline are cancelled (each answers that it
@@ -253,10 +338,7 @@ class LedgerStreams:
                         span.fail(type(err).__name__)
                     raise
         except Exception as err:
-            error = err if isinstance(err, RollgateError) else None
-            error = error or as_rollgate_error(err, service="dataproxy", method=f"{METHOD}/{kind}")
-            answer = dataproxy_pb2.LedgerResponse(error_json=error.to_payload())
-            code, message = error.grpc_status.name, error.message
+            answer, code, message = self._failed(err, kind)
         answer.id = request.id
         stream.put(answer)
         if self._on_op is not None:
@@ -284,24 +366,12 @@ class LedgerStreams:
                 begin.key_digest, session_id=begin.session_id, request_id=begin.request_id
             )
             stream.admitted[admitted.token] = admitted.ticket
-            return dataproxy_pb2.LedgerResponse(
-                admitted=dataproxy_pb2.TurnAdmitted(
-                    ticket=admitted.ticket,
-                    weight_version=admitted.weight_version,
-                    session_id=admitted.session_id,
-                )
-            )
+            return _admitted(admitted)
         if kind == "record":
             record = request.record
             self._forget(record.ticket)
             recorded = await self._ledger.record(record.ticket, _turn_end(record))
-            return dataproxy_pb2.LedgerResponse(
-                recorded=dataproxy_pb2.TurnRecorded(
-                    interaction_id=recorded.interaction_id,
-                    session_id=recorded.session_id,
-                    index=recorded.index,
-                )
-            )
+            return _recorded(recorded)
         if kind == "release":
             release = request.release
             self._forget(release.ticket)
@@ -324,6 +394,26 @@ class LedgerStreams:
         if stream.admitted:
             log.warning("ledger_stream_ended_with_unfinished_turns", turns=len(stream.admitted))
         stream.admitted.clear()
+
+
+def _admitted(admitted: Admission) -> dataproxy_pb2.LedgerResponse:
+    return dataproxy_pb2.LedgerResponse(
+        admitted=dataproxy_pb2.TurnAdmitted(
+            ticket=admitted.ticket,
+            weight_version=admitted.weight_version,
+            session_id=admitted.session_id,
+        )
+    )
+
+
+def _recorded(recorded: RecordedTurn) -> dataproxy_pb2.LedgerResponse:
+    return dataproxy_pb2.LedgerResponse(
+        recorded=dataproxy_pb2.TurnRecorded(
+            interaction_id=recorded.interaction_id,
+            session_id=recorded.session_id,
+            index=recorded.index,
+        )
+    )
 
 
 def _turn_end(record: dataproxy_pb2.RecordTurn) -> TurnEnd:

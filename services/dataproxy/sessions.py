@@ -85,6 +85,11 @@ class SessionStore:
         return self._policy
 
     @property
+    def turns(self) -> TurnStore:
+        """The turn ledger's storage (begin and append, also sent without a task)."""
+        return self._turns
+
+    @property
     def on_ended(self) -> EndedHook | None:
         """Called with (status, end reason, seconds from the episode's end to this outcome) of
         every episode this replica ended (docs/metrics.md); None: not counted."""

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack  # type: ignore[import-untyped]
+from redis.exceptions import NoScriptError
 
 from protos import common_pb2
 from schema.trajectory import VERSIONS_AT_ADMISSION, VERSIONS_UNCOUNTED
@@ -28,6 +29,8 @@ from services.runtime.errors import InvalidRequest
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 _TICKET_VERSION = 1
 
@@ -77,6 +80,85 @@ class TokenVersions:
     versions: list[int] | None
     # Why `versions` is None: VERSIONS_AT_ADMISSION (non-streaming) or VERSIONS_UNCOUNTED.
     fallback: str = VERSIONS_AT_ADMISSION
+
+
+class _Turn:
+    """A turn being recorded: what its append needs, encoded per attempt (`encode`)."""
+
+    __slots__ = ("encoder", "end", "episode", "memory", "now", "record", "versions")
+
+    def __init__(
+        self,
+        *,
+        episode: ActiveEpisode,
+        end: TurnEnd,
+        record: common_pb2.TurnRecord,
+        versions: TokenVersions,
+        memory: tuple[str, str, int],
+        encoder: TurnEncoder,
+        now: float,
+    ) -> None:
+        self.episode = episode
+        self.end = end
+        self.record = record
+        self.versions = versions
+        self.memory = memory
+        self.encoder = encoder
+        self.now = now
+
+    def encode(self, version_end: int) -> bytes:
+        """The record with `version_end` as the version the turn finished under."""
+        versions = self.versions
+        return self.encoder.encode(
+            weight_version=self.episode.weight_version,
+            weight_version_end=version_end,
+            now=self.now,
+            turn_type=self.end.turn_type or "main",
+            output_versions=versions.versions,
+            output_versions_source=versions.fallback,
+        )
+
+
+def _admission(episode: ActiveEpisode) -> Admission:
+    return Admission(
+        ticket=encode_ticket(episode),
+        weight_version=episode.weight_version,
+        session_id=episode.session_id,
+        token=episode.lease_token,
+    )
+
+
+def _then(
+    reply: asyncio.Future[Any],
+    then: Callable[[Any], T | None],
+    *,
+    or_none: type[BaseException] = NoScriptError,
+) -> asyncio.Future[T | None]:
+    """A future of `then(reply's result)`, resolved from the reply's callback: None when the
+    reply failed with `or_none` (the caller's general path takes over), the error of the
+    reply or of `then` otherwise. Cancelling it leaves the reply alone (read and ignored)."""
+    result: asyncio.Future[T | None] = asyncio.get_running_loop().create_future()
+
+    def done(reply: asyncio.Future[Any]) -> None:
+        if result.done():
+            return
+        if reply.cancelled():
+            result.cancel()
+            return
+        error = reply.exception()
+        if error is not None:
+            if isinstance(error, or_none):
+                result.set_result(None)
+            else:
+                result.set_exception(error)
+            return
+        try:
+            result.set_result(then(reply.result()))
+        except Exception as err:
+            result.set_exception(err)
+
+    reply.add_done_callback(done)
+    return result
 
 
 def encode_ticket(episode: ActiveEpisode) -> bytes:
@@ -147,12 +229,27 @@ class TurnLedger:
             )
 
         episode, _ = await self._control.admit(begin)
-        return Admission(
-            ticket=encode_ticket(episode),
-            weight_version=episode.weight_version,
-            session_id=episode.session_id,
-            token=episode.lease_token,
+        return _admission(episode)
+
+    def begin_now(self, digest: str, *, session_id: str) -> asyncio.Future[Admission | None] | None:
+        """`begin`'s first attempt without a task or coroutine (the common turn: admitted at
+        once): its script sent now, the future resolved from the reply's callback with the
+        Admission, or with None when the turn was not admitted at once — paused, between
+        episodes, an unknown key, a header-mode session to bind, NOSCRIPT: nothing was taken,
+        and `begin` decides (it runs the script again). None without a pipelined connection."""
+        turns = self._store.turns
+        token, lease_until = self._control.new_lease()
+        reply = turns.send_begin(
+            digest, session_id=session_id, token=token, lease_until=lease_until
         )
+        if reply is None:
+            return None
+
+        def admitted(raw: Any) -> Admission | None:
+            episode = turns.began_now(raw, digest, session_id=session_id, token=token)
+            return None if episode is None else _admission(episode)
+
+        return _then(reply, admitted)
 
     async def release(self, ticket: bytes) -> None:
         """A turn that ends without a record: its lease goes (once; a second release and a
@@ -172,35 +269,76 @@ class TurnLedger:
             raise
 
     async def _record(self, episode: ActiveEpisode, end: TurnEnd) -> RecordedTurn:
+        turn = self._prepare(episode, end)
+        index = await self._store.record_turn(
+            episode, interaction_id=turn.record.interaction_id, encode=turn.encode
+        )
+        if end.session_done and episode.client_session_id:
+            self._recorded(turn, index)
+            await self._store.end_after_turn(episode)
+            return self._answer(turn, index)
+        return self._recorded(turn, index)
+
+    def record_now(self, ticket: bytes, end: TurnEnd) -> asyncio.Future[RecordedTurn | None] | None:
+        """`record`'s first attempt without a task or coroutine: the append sent now at the
+        admission's weight version, the future resolved from the reply's callback with the
+        recorded turn, or with None when it was not recorded at once — the version moved,
+        NOSCRIPT, a failed call — for `record` to finish (appending is idempotent by
+        interaction id: a retry of an append that did land finds it). Unavailable when the
+        episode ended (the append released the lease). None when the turn takes `record`
+        from the start (its ticket does not decode, it ends a header-mode session, there is
+        no pipelined connection)."""
+        try:
+            episode = decode_ticket(ticket)
+        except InvalidRequest:
+            return None
+        if end.session_done and episode.client_session_id:
+            return None
+        turn = self._prepare(episode, end)
+        turns = self._store.turns
+        interaction_id = turn.record.interaction_id
+        reply = turns.send_append(
+            episode, interaction_id=interaction_id, record=turn.encode(episode.weight_version)
+        )
+        if reply is None:
+            return None
+
+        def recorded(raw: Any) -> RecordedTurn | None:
+            index = turns.appended_now(raw, episode, interaction_id=interaction_id)
+            return None if index is None else self._recorded(turn, index)
+
+        return _then(reply, recorded, or_none=Exception)
+
+    def _prepare(self, episode: ActiveEpisode, end: TurnEnd) -> _Turn:
         record = end.record
         if end.interaction_id:
             record.interaction_id = end.interaction_id
         if not record.interaction_id:
             # Every interaction needs an id for set_reward; the worker should have sent one.
             record.interaction_id = "chatcmpl-rg-" + secrets.token_hex(12)
-        versions = self._versions(episode, end)
-        now = time.time()
         memory = (episode.key_id, episode.episode, episode.epoch)
-        encoder = TurnEncoder(record, request_json=end.request_json, prior=self._prior.get(memory))
-        index = await self._store.record_turn(
-            episode,
-            interaction_id=record.interaction_id,
-            encode=lambda version_end: encoder.encode(
-                weight_version=episode.weight_version,
-                weight_version_end=version_end,
-                now=now,
-                turn_type=end.turn_type or "main",
-                output_versions=versions.versions,
-                output_versions_source=versions.fallback,
+        return _Turn(
+            episode=episode,
+            end=end,
+            record=record,
+            versions=self._versions(episode, end),
+            memory=memory,
+            encoder=TurnEncoder(
+                record, request_json=end.request_json, prior=self._prior.get(memory)
             ),
+            now=time.time(),
         )
-        self._prior.put(memory, encoder.recorded_at(index))
+
+    def _recorded(self, turn: _Turn, index: int) -> RecordedTurn:
+        """What follows an append: the episode's latest turn remembered, the turn's log line."""
+        self._prior.put(turn.memory, turn.encoder.recorded_at(index))
+        record, versions = turn.record, turn.versions
         log.info(
             "turn_recorded",
-            session_id=episode.session_id,
+            session_id=turn.episode.session_id,
             interaction_id=record.interaction_id,
             index=index,
-            request_id=end.request_id,
+            request_id=turn.end.request_id,
             output_tokens=output_length(record),
             finish_reason=record.finish_reason,
             per_token_versions=versions.versions is not None,
@@ -211,10 +349,14 @@ class TurnLedger:
                 interaction_id=record.interaction_id,
                 output_tokens=output_length(record),
             )
-        if end.session_done and episode.client_session_id:
-            await self._store.end_after_turn(episode)
+        return self._answer(turn, index)
+
+    @staticmethod
+    def _answer(turn: _Turn, index: int) -> RecordedTurn:
         return RecordedTurn(
-            interaction_id=record.interaction_id, session_id=episode.session_id, index=index
+            interaction_id=turn.record.interaction_id,
+            session_id=turn.episode.session_id,
+            index=index,
         )
 
     @staticmethod

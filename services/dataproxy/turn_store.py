@@ -3,8 +3,10 @@ append (one script), and the completed interactions of an episode."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from services.dataproxy.binding import EpisodeBinder
 from services.dataproxy.episode_state import (
@@ -26,6 +28,7 @@ from services.dataproxy.scripts import (
     AppendedTurn,
     AppendTurn,
     AppendTurnCall,
+    BeganTurn,
     BeginTurn,
     BeginTurnCall,
 )
@@ -72,35 +75,12 @@ class TurnStore(StorePart):
         for _ in range(MAX_PUBLISH_ATTEMPTS):
             began = await self._scripts.begin_turn.run(
                 self._turn_scripts,
-                BeginTurnCall(
-                    key=self._keys.key(digest),
-                    paused=self._keys.paused,
-                    in_flight=self._keys.in_flight,
-                    weight_version=self._keys.weight_version,
-                    session=self._keys.session(key_id_of(digest), session_id)
-                    if session_id
-                    else self._keys.paused,
-                    idle=self._keys.idle,
-                    episode_turns=self._keys.episode_turns,
-                    token=token,
-                    lease_until=lease_until,
-                    now=time.time(),
-                    session_id=session_id,
-                    digest=digest,
+                self._begin_call(
+                    digest, session_id=session_id, token=token, lease_until=lease_until
                 ),
             )
             if began.status is BeginTurn.OK:
-                header = began.mode == HEADER_MODE
-                return ActiveEpisode(
-                    digest=digest,
-                    key_id=began.key_id,
-                    episode=began.episode,
-                    epoch=began.epoch,
-                    weight_version=began.weight_version,
-                    mode=began.mode,
-                    client_session_id=session_id if header else "",
-                    lease_token=token,
-                )
+                return self._episode(began, digest, session_id=session_id, token=token)
             if began.status is BeginTurn.PAUSED:
                 return None
             if began.status is BeginTurn.UNKNOWN:
@@ -115,6 +95,90 @@ class TurnStore(StorePart):
             code="session_contended",
             retry_after_s=1.0,
         )
+
+    def send_begin(
+        self, digest: str, *, session_id: str, token: str, lease_until: float
+    ) -> asyncio.Future[Any] | None:
+        """`begin_turn`'s first attempt sent now on the pipelined connection, without a task:
+        the future of its reply for `began_now`. None without a pipelined connection."""
+        if not isinstance(self._turn_scripts, PipelinedScripts):
+            return None
+        return self._scripts.begin_turn.send(
+            self._turn_scripts,
+            self._begin_call(digest, session_id=session_id, token=token, lease_until=lease_until),
+        )
+
+    def began_now(
+        self, reply: Any, digest: str, *, session_id: str, token: str
+    ) -> ActiveEpisode | None:
+        """The episode a `send_begin` reply admitted the turn to; None when it did not at once
+        (paused, between episodes, an unknown key, a header-mode session to bind...: nothing
+        was taken, and `begin_turn` decides)."""
+        began = self._scripts.begin_turn.parse(reply)
+        if began.status is not BeginTurn.OK:
+            return None
+        return self._episode(began, digest, session_id=session_id, token=token)
+
+    def _begin_call(
+        self, digest: str, *, session_id: str, token: str, lease_until: float
+    ) -> BeginTurnCall:
+        return BeginTurnCall(
+            key=self._keys.key(digest),
+            paused=self._keys.paused,
+            in_flight=self._keys.in_flight,
+            weight_version=self._keys.weight_version,
+            session=self._keys.session(key_id_of(digest), session_id)
+            if session_id
+            else self._keys.paused,
+            idle=self._keys.idle,
+            episode_turns=self._keys.episode_turns,
+            token=token,
+            lease_until=lease_until,
+            now=time.time(),
+            session_id=session_id,
+            digest=digest,
+        )
+
+    @staticmethod
+    def _episode(began: BeganTurn, digest: str, *, session_id: str, token: str) -> ActiveEpisode:
+        header = began.mode == HEADER_MODE
+        return ActiveEpisode(
+            digest=digest,
+            key_id=began.key_id,
+            episode=began.episode,
+            epoch=began.epoch,
+            weight_version=began.weight_version,
+            mode=began.mode,
+            client_session_id=session_id if header else "",
+            lease_token=token,
+        )
+
+    def send_append(
+        self, episode: ActiveEpisode, *, interaction_id: str, record: bytes
+    ) -> asyncio.Future[Any] | None:
+        """`record_turn`'s first attempt (at the admission's weight version) sent now on the
+        pipelined connection: the future of its reply for `appended_now`. None without one."""
+        if not isinstance(self._turn_scripts, PipelinedScripts):
+            return None
+        return self._scripts.append_turn.send(
+            self._turn_scripts,
+            self._append_call(
+                episode,
+                interaction_id=interaction_id,
+                record=record,
+                expected=episode.weight_version,
+            ),
+        )
+
+    def appended_now(
+        self, reply: Any, episode: ActiveEpisode, *, interaction_id: str
+    ) -> int | None:
+        """The index a `send_append` reply appended the turn at; None when the weight version
+        moved meanwhile (`record_turn` re-encodes it); Unavailable when the episode ended."""
+        appended = self._scripts.append_turn.parse(reply)
+        if appended.status is AppendTurn.VERSION:
+            return None
+        return self._appended(episode, interaction_id, appended)
 
     async def record_turn(
         self, episode: ActiveEpisode, *, interaction_id: str, encode: Callable[[int], bytes]
@@ -171,29 +235,36 @@ class TurnStore(StorePart):
     async def _append(
         self, episode: ActiveEpisode, *, interaction_id: str, record: bytes, expected: int
     ) -> AppendedTurn:
-        now = time.time()
         return await self._scripts.append_turn.run(
             self._turn_scripts,
-            AppendTurnCall(
-                key=self._keys.key(episode.digest),
-                episode_hash=self._keys.episode(episode.key_id, episode.episode),
-                turns=self._keys.turns(episode.key_id, episode.episode),
-                interaction_index=self._keys.interaction_index(episode.key_id, episode.episode),
-                idle=self._keys.idle,
-                in_flight=self._keys.in_flight,
-                weight_version=self._keys.weight_version,
-                episode_turns=self._keys.episode_turns,
-                episode=episode.episode,
-                epoch=episode.epoch,
-                interaction_id=interaction_id,
-                record=record,
-                now=now,
-                idle_until=now + self._policy.session_idle_timeout_s,
-                idle_member=episode.idle_member,
-                lease_token=episode.lease_token,
-                expected_version=expected,
-                mode=episode.mode,
+            self._append_call(
+                episode, interaction_id=interaction_id, record=record, expected=expected
             ),
+        )
+
+    def _append_call(
+        self, episode: ActiveEpisode, *, interaction_id: str, record: bytes, expected: int
+    ) -> AppendTurnCall:
+        now = time.time()
+        return AppendTurnCall(
+            key=self._keys.key(episode.digest),
+            episode_hash=self._keys.episode(episode.key_id, episode.episode),
+            turns=self._keys.turns(episode.key_id, episode.episode),
+            interaction_index=self._keys.interaction_index(episode.key_id, episode.episode),
+            idle=self._keys.idle,
+            in_flight=self._keys.in_flight,
+            weight_version=self._keys.weight_version,
+            episode_turns=self._keys.episode_turns,
+            episode=episode.episode,
+            epoch=episode.epoch,
+            interaction_id=interaction_id,
+            record=record,
+            now=now,
+            idle_until=now + self._policy.session_idle_timeout_s,
+            idle_member=episode.idle_member,
+            lease_token=episode.lease_token,
+            expected_version=expected,
+            mode=episode.mode,
         )
 
     def _appended(self, episode: ActiveEpisode, interaction_id: str, appended: AppendedTurn) -> int:

@@ -9,6 +9,7 @@ No service runs another's scripts: a script is loaded from the package of its ca
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import hashlib
@@ -197,3 +198,10 @@ class Script(Generic[CallT, ReplyT]):
         """Runs the script with `call`'s KEYS and ARGV; its reply, parsed."""
         keys, args = call.keys_and_args()
         return self.parse(await self.lua.run(redis, keys, args))
+
+    def send(self, redis: PipelinedScripts, call: CallT) -> asyncio.Future[Any]:
+        """EVALSHA on a pipelined connection, sent with what else this turn of the loop asks
+        for: the future of its raw reply (`parse` it), without a coroutine. NOSCRIPT is the
+        future's error: `run` falls back to EVAL."""
+        keys, args = call.keys_and_args()
+        return redis.evalsha(self.lua.sha, len(keys), *keys, *args)

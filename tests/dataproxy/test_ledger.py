@@ -219,6 +219,21 @@ async def test_each_op_of_a_message_gets_its_own_answer(chain: Chain) -> None:
     await eventually(chain.in_flight, want=0, what="the lease of the cancelled stream released")
 
 
+async def test_a_turn_after_redis_lost_its_scripts_is_begun_and_recorded(chain: Chain) -> None:
+    # A restarted (or failed-over) Redis has no cached scripts: the begin and the record sent
+    # at once get NOSCRIPT, and their ops go on as EVAL in their own tasks.
+    digest = await chain.start()
+    await chain.redis.script_flush()
+
+    admitted = await chain.begin(chain.ledger, digest)
+    assert await chain.in_flight() == 1
+    await chain.redis.script_flush()
+    assert await chain.record(chain.ledger, digest, admitted.ticket) == "chatcmpl-ledger"
+
+    assert [t["interaction_id"] for t in await chain.turns(digest)] == ["chatcmpl-ledger"]
+    assert await chain.in_flight() == 0
+
+
 async def test_an_op_past_its_deadline_answers_that_it_timed_out(
     redis_url: str, key_prefix: str
 ) -> None:
