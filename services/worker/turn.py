@@ -401,13 +401,11 @@ def _normalized_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
-
-
 def _strip_choices(body: dict[str, Any], ask: ClientAsk) -> None:
-    if not ask.token_ids:
-        for name in _TOKEN_ID_FIELDS:
-            body.pop(name, None)
+    token_ids, logprobs = ask.token_ids, ask.logprobs
+    if not token_ids:
+        body.pop("prompt_token_ids", None)
+        body.pop("token_ids", None)
     choices = body.get("choices")
     if not isinstance(choices, list):
         return
@@ -415,11 +413,11 @@ def _strip_choices(body: dict[str, Any], ask: ClientAsk) -> None:
         if not isinstance(choice, dict):
             continue
         # The wire shape of a choice whose logprobs were not requested is `"logprobs": null`.
-        if not ask.logprobs and choice.get("logprobs") is not None:
+        if not logprobs and choice.get("logprobs") is not None:
             choice["logprobs"] = None
-        if not ask.token_ids:
-            for name in _TOKEN_ID_FIELDS:
-                choice.pop(name, None)
+        if not token_ids:
+            choice.pop("prompt_token_ids", None)
+            choice.pop("token_ids", None)
 
 
 def _keep_choice_zero(body: dict[str, Any]) -> bool:

@@ -105,11 +105,10 @@ class _Group:
 
     def __init__(self, adapter: UpstreamAdapter) -> None:
         self._adapter = adapter
-        self.samples: dict[int, TurnAccumulator] = {0: TurnAccumulator()}
-
-    @property
-    def main(self) -> TurnAccumulator:
-        return self.samples[0]
+        # Sample 0's accumulator, and the adapter's reading of one chunk (looked up once).
+        self.main = TurnAccumulator()
+        self.samples: dict[int, TurnAccumulator] = {0: self.main}
+        self._read_chunk = adapter.read_chunk
 
     def _acc(self, index: int) -> TurnAccumulator:
         return self.samples.setdefault(index, TurnAccumulator())
@@ -117,7 +116,7 @@ class _Group:
     def read_chunk(self, chunk: dict[str, Any]) -> None:
         choices = chunk.get("choices")
         if not isinstance(choices, list) or (len(choices) <= 1 and _index_zero(choices)):
-            self._adapter.read_chunk(chunk, self.main)
+            self._read_chunk(chunk, self.main)
             return
         for index, part in split_choices(chunk).items():
             self._adapter.read_chunk(part, self._acc(index))
