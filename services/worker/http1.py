@@ -42,6 +42,10 @@ class HttpError(Exception):
     """The upstream's connection failed or it did not speak HTTP/1.1 as this client reads it."""
 
 
+class HttpTimeout(HttpError, TimeoutError):
+    """The request's deadline passed before its answer was read to the end."""
+
+
 class ConnectError(HttpError):
     """No connection could be made: `os_error` says why (refused, unreachable, timed out)."""
 
@@ -193,6 +197,18 @@ class Http1Response:
         self._released = False
         # Whether any byte of the answer came (a request that failed before may go again).
         self.answered = False
+        # Fails the answer and drops its connection at the request's deadline (one timer for
+        # the head and the body, cancelled once the response is released or closed).
+        self._timer: asyncio.TimerHandle | None = None
+
+    def _arm(self, deadline: float) -> None:
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._eof:
+            self._fail(HttpTimeout("the upstream did not answer in time"))
+            self.close()
 
     @property
     def content(self) -> Http1Response:
@@ -245,6 +261,7 @@ class Http1Response:
 
     def close(self) -> None:
         """Drops the connection (the upstream sees the client go: it stops generating)."""
+        self._disarm()
         if not self._released:
             self._released = True
             self._connection.close()
@@ -253,6 +270,7 @@ class Http1Response:
     def release(self) -> None:
         """Gives the connection back for another request (when the body was read to its end;
         else it is closed)."""
+        self._disarm()
         if self._released:
             return
         self._released = True
@@ -262,6 +280,11 @@ class Http1Response:
             self._pool._idle(connection)
         else:
             connection.close()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def _wait(self) -> None:
         if self._error is not None:
@@ -416,10 +439,18 @@ class Http1Pool:
         return f"Http1Pool({self._host}:{self._port})"
 
     async def request(
-        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        *,
+        deadline: float | None = None,
     ) -> Http1Response:
         """Sends the request; returns its response once the head came (read its body, then
-        `release` or `close` it). HttpError (ConnectError: no connection) when it failed."""
+        `release` or `close` it). HttpError (ConnectError: no connection) when it failed;
+        HttpTimeout (a TimeoutError too) when `deadline` (loop time) passes first — while
+        connecting, waiting for the head or reading the body."""
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = (
             f"{method} {path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n{extra}".encode("latin-1")
@@ -431,9 +462,11 @@ class Http1Pool:
             connection = self._take()
             reused = connection is not None
             if connection is None:
-                connection = await self._connect()
+                connection = await self._connect(deadline)
             response = Http1Response(connection, self)
             connection.response = response
+            if deadline is not None:
+                response._arm(deadline)
             transport = connection.transport
             assert transport is not None
             if data is not None:
@@ -459,13 +492,18 @@ class Http1Pool:
                 return connection
         return None
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, deadline: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
         connection = _Connection(self)
+        limit = self._connect_timeout_s
+        if deadline is not None:
+            limit = min(limit, deadline - loop.time())
         try:
-            async with asyncio.timeout(self._connect_timeout_s):
+            async with asyncio.timeout(limit):
                 await loop.create_connection(lambda: connection, self._host, self._port)
         except TimeoutError as err:
+            if deadline is not None and loop.time() >= deadline:
+                raise HttpTimeout("the upstream did not answer in time") from None
             raise ConnectError(err) from None
         except OSError as err:
             raise ConnectError(err) from None

@@ -404,14 +404,19 @@ class UpstreamClient:
         url = url or self.chat_url
         response: Response
         try:
-            async with asyncio.timeout_at(deadline):
-                # The turn's traceparent goes on: an engine that traces (vLLM with
-                # --otlp-traces-endpoint) joins the client's trace.
-                if self._http1 is not None and url.startswith(self._origin + "/"):
-                    response = await self._http1.request(
-                        "POST", url[len(self._origin) :], body, tracing.http_headers()
-                    )
-                else:
+            # The turn's traceparent goes on: an engine that traces (vLLM with
+            # --otlp-traces-endpoint) joins the client's trace.
+            if self._http1 is not None and url.startswith(self._origin + "/"):
+                # Its own timer keeps the deadline, for the head and the body.
+                response = await self._http1.request(
+                    "POST",
+                    url[len(self._origin) :],
+                    body,
+                    tracing.http_headers(),
+                    deadline=deadline,
+                )
+            else:
+                async with asyncio.timeout_at(deadline):
                     response = await self.session.post(
                         url, data=body, headers={**_JSON, **tracing.http_headers()}
                     )
@@ -456,8 +461,11 @@ class UpstreamClient:
     async def read_json(self, response: Response, *, deadline: float) -> Any:
         """The whole body of a non-streaming answer, parsed."""
         with _mid_response_errors():
-            async with asyncio.timeout_at(deadline):
-                body = await response.read()
+            if isinstance(response, Http1Response):
+                body = await response.read()  # the request's timer keeps its deadline
+            else:
+                async with asyncio.timeout_at(deadline):
+                    body = await response.read()
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -485,6 +493,8 @@ class UpstreamClient:
             while True:
                 try:
                     data = await content.readany()
+                except TimeoutError:  # http1's own timer for the request's deadline
+                    raise _timed_out() from None
                 except _READ_ERRORS as err:
                     if expired:
                         raise _timed_out() from None

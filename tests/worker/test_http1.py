@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from services.worker.http1 import _HIGH_WATER as HIGH_WATER
-from services.worker.http1 import ConnectError, Http1Pool, HttpError
+from services.worker.http1 import ConnectError, Http1Pool, HttpError, HttpTimeout
 from tests.harness.poll import eventually
 
 # What a scripted server does with one connection: reads requests, writes what it likes.
@@ -301,3 +301,26 @@ async def test_closing_a_streamed_answer_drops_the_connection_and_reading_waits_
         await client.close()
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("stall", ["head", "body"])
+async def test_a_request_past_its_deadline_times_out_and_drops_its_connection(stall: str) -> None:
+    dropped = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if stall == "body":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+            await writer.drain()
+        await reader.read()  # until the client drops the connection
+        dropped.set()
+
+    async with scripted(script) as (port, _):
+        client = pool(port)
+        deadline = asyncio.get_running_loop().time() + 0.2
+        with pytest.raises(HttpTimeout):  # a TimeoutError too
+            response = await client.request("POST", "/", b"{}", deadline=deadline)
+            await response.read()
+        async with asyncio.timeout(10):
+            await dropped.wait()
+        await client.close()
