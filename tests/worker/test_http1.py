@@ -317,9 +317,9 @@ async def test_a_request_past_its_deadline_times_out_and_drops_its_connection(st
 
     async with scripted(script) as (port, _):
         client = pool(port)
-        deadline = asyncio.get_running_loop().time() + 0.2
+        due = asyncio.get_running_loop().time() + 0.2  # the request's own deadline
         with pytest.raises(HttpTimeout):  # a TimeoutError too
-            response = await client.request("POST", "/", b"{}", deadline=deadline)
+            response = await client.request("POST", "/", b"{}", deadline=due)
             await response.read()
         async with asyncio.timeout(10):
             await dropped.wait()
