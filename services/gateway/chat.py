@@ -94,12 +94,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     if call.stream:
         return await _stream(request, spec)
-    body, _ = await request.app[RELAY].complete(spec)
+    body = await request.app[RELAY].answer(spec)
     return web.Response(body=body, content_type=JSON_CONTENT_TYPE)
 
 
 def _sse(payloads: list[bytes]) -> bytes:
-    return b"".join(b"data: " + payload + b"\n\n" for payload in payloads)
+    if not payloads:
+        return b""
+    return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
 
 
 async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:

@@ -69,7 +69,7 @@ def _spec(request: web.Request, key: str, call: MessagesCall, message_id: str) -
 
 async def _complete(request: web.Request, spec: TurnSpec) -> dict[str, Any]:
     """The chat completion of a non-streamed turn, once it is recorded."""
-    body, _ = await request.app[RELAY].complete(spec)
+    body = await request.app[RELAY].answer(spec)
     completion: dict[str, Any] = orjson.loads(body)
     return completion
 
