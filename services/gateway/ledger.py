@@ -263,13 +263,14 @@ class LedgerClient:
         self, *, route_key: str, digest: str, session_id: str, request_id: str, timeout_s: float
     ) -> Admitted:
         """Admission of a turn (waits while submission is paused, up to the dataproxy's wait)."""
+        request = dataproxy_pb2.LedgerRequest()
+        op = request.begin
+        op.key_digest = digest
+        op.session_id = session_id
+        op.request_id = request_id
         answer, replica = await self._ask(
             route_key,
-            dataproxy_pb2.LedgerRequest(
-                begin=dataproxy_pb2.BeginTurn(
-                    key_digest=digest, session_id=session_id, request_id=request_id
-                )
-            ),
+            request,
             timeout_s=timeout_s,
             attempts=BEGIN_ATTEMPTS,
         )
@@ -298,24 +299,23 @@ class LedgerClient:
         timeout_s: float,
     ) -> Recorded:
         """Appends the turn to its episode; `spans` are a streamed turn's (tokens, version)."""
+        # Built in place: a message given to a constructor is copied (the record with its
+        # token ids, then the whole op).
+        request = dataproxy_pb2.LedgerRequest()
+        op = request.record
+        op.ticket = ticket
+        op.record.CopyFrom(record)
+        op.request_json = request_json
+        op.interaction_id = interaction_id
+        op.turn_type = turn_type
+        op.session_done = session_done
+        op.request_id = request_id
+        op.streamed = spans is not None
+        for tokens, version in spans or ():
+            op.spans.add(tokens=tokens, weight_version=version)
         answer, _ = await self._ask(
             route_key,
-            dataproxy_pb2.LedgerRequest(
-                record=dataproxy_pb2.RecordTurn(
-                    ticket=ticket,
-                    record=record,
-                    request_json=request_json,
-                    interaction_id=interaction_id,
-                    turn_type=turn_type,
-                    session_done=session_done,
-                    request_id=request_id,
-                    streamed=spans is not None,
-                    spans=[
-                        dataproxy_pb2.VersionSpan(tokens=tokens, weight_version=version)
-                        for tokens, version in spans or ()
-                    ],
-                )
-            ),
+            request,
             timeout_s=timeout_s,
             attempts=RECORD_ATTEMPTS,
             replica=self._admitted_by.pop(ticket, None),

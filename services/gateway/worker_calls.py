@@ -194,11 +194,11 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
     def usable(self) -> bool:
         return self.alive and not self.stopping and not self._closing
 
-    def start(self, turn_id: int, start: worker_pb2.TurnStart, timeout_s: float) -> WorkerTurn:
-        """Queues the turn's start; its events go to the WorkerTurn."""
-        turn = WorkerTurn(self, turn_id, timeout_s)
-        self._turns[turn_id] = turn
-        self.send(worker_pb2.TurnOp(id=turn_id, start=start))
+    def start(self, op: worker_pb2.TurnOp, timeout_s: float) -> WorkerTurn:
+        """Queues the turn's start (`op`); its events go to the WorkerTurn."""
+        turn = WorkerTurn(self, op.id, timeout_s)
+        self._turns[op.id] = turn
+        self.send(op)
         return turn
 
     def send(self, op: worker_pb2.TurnOp) -> None:
@@ -283,14 +283,16 @@ class WorkerTurns:
             worker = self._streams[address] = _WorkerStream(
                 self._channels.get(address), address, framed=self._framed, on_open=self._on_open
             )
-        start = worker_pb2.TurnStart(
-            request=request,
-            stream=stream,
-            timeout_s=timeout_s,
-            traceparent=traceparent,
-            window_bytes=WINDOW_BYTES,
-        )
-        return worker.start(next(self._ids), start, timeout_s)
+        # Built in place: a message given to a constructor is copied (the request, then the
+        # start), and the request carries the whole body.
+        op = worker_pb2.TurnOp(id=next(self._ids))
+        start = op.start
+        start.request.CopyFrom(request)
+        start.stream = stream
+        start.timeout_s = timeout_s
+        start.traceparent = traceparent
+        start.window_bytes = WINDOW_BYTES
+        return worker.start(op, timeout_s)
 
     async def close(self) -> None:
         """Ends every stream (gateway shutdown, after its in-flight turns)."""
