@@ -109,6 +109,7 @@ class WorkerTurn:
             finally:
                 self._waiter = None
         events = self._inbox
+        taken = 0
         for index, event in enumerate(events):
             if event.WhichOneof("event") == "error_json":
                 self._error = _error_of(event)
@@ -116,9 +117,10 @@ class WorkerTurn:
                 if not events:
                     raise self._error
                 break
+            taken += event.size
         else:
             self._inbox = []
-        self._taken += sum(e.size for e in events)
+        self._taken += taken
         return events
 
     def _credit(self) -> None:
@@ -135,11 +137,11 @@ class WorkerTurn:
             self.ended = True
             self._stream.cancel(self.id)
 
-    def deliver(self, event: worker_pb2.TurnEvent) -> None:
-        """An event of this turn came."""
+    def deliver(self, event: worker_pb2.TurnEvent, *, last: bool) -> None:
+        """An event of this turn came (`last`: the turn's last one)."""
         if event.WhichOneof("event") != "error_json":
             self.received = True
-        if _is_last(event):
+        if last:
             self.ended = True
             self._timer.cancel()
         self._inbox.append(event)
@@ -224,11 +226,12 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
             turn = self._turns.get(event.id)
             if turn is None:
                 continue  # cancelled meanwhile
-            if _is_last(event):
+            last = _is_last(event)
+            if last:
                 del self._turns[event.id]
                 if event.WhichOneof("event") == "error_json" and not turn.received:
                     self.stopping = self.stopping or _error_of(event).code == STOPPING_CODE
-            turn.deliver(event)
+            turn.deliver(event, last=last)
 
     def _ended(self, error: grpc.aio.AioRpcError | None) -> None:
         self._fail(from_rpc_error(error, hop="worker") if error is not None else None)
