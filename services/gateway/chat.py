@@ -116,14 +116,13 @@ async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
                 if isinstance(event, Chunks):
                     await response.write(_sse(event.payloads))
                 event = await anext(events)
-            # The last chunks and the end in one write, once the turn is recorded.
-            await response.write(_sse(event.tail) + SSE_DONE)
+            # The last chunks, [DONE] and the end of the body in one write, once the turn is
+            # recorded.
+            await response.write_eof(_sse(event.tail) + SSE_DONE)
         except RollgateError as err:
-            await response.write(sse_error_event(err))
+            await response.write_eof(sse_error_event(err))
         except ConnectionResetError:
             log.info("client_disconnected", request_id=spec.request_id)
-            return response
-    await response.write_eof()
     return response
 
 

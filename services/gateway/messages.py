@@ -151,10 +151,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             for chunk in batch.chunks:
                 events += stream.feed(chunk)
             await response.write(b"".join(events))
-        await response.write(b"".join(stream.finish()))
+        # The last events and the end of the body in one write.
+        await response.write_eof(b"".join(stream.finish()))
     except RollgateError as err:
         log.warning("message_stream_failed", code=err.code, message=err.message)
-        await response.write(error_event(err.http_status, err.message, err.code))
+        await response.write_eof(error_event(err.http_status, err.message, err.code))
     except ConnectionResetError:
         log.info("client_disconnected", message_id=message_id)
     finally:
