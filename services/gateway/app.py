@@ -20,11 +20,11 @@ from services.gateway import (
 )
 from services.gateway.backends import ROUTE_CACHE, SETTINGS, TURN_METRICS, backends_ctx
 from services.gateway.edge import EdgeLimits, GatewayRunner
-from services.gateway.http_errors import error_middleware
+from services.gateway.middleware import request_middleware
 from services.gateway.protocols import ERROR_SHAPES, ErrorShapes, Protocol, routes_of
 from services.gateway.routing import RouteCache
 from services.gateway.settings import GatewaySettings
-from services.gateway.tracing_http import tracing_ctx, tracing_middleware
+from services.gateway.tracing_http import tracing_ctx
 from services.gateway.turn_metrics import TurnMetrics
 from services.runtime.logs import get_logger
 from services.runtime.metrics import MetricsServer, ServiceMetrics
@@ -45,16 +45,12 @@ PROTOCOLS: tuple[Protocol, ...] = (
 def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) -> web.Application:
     """The application: routes, middlewares, and the gRPC channels as a cleanup context.
     Its metrics go into `metrics`'s registry (served on the metrics port, not here)."""
-    # Outermost first: the trace spans everything; metrics see the status the error middleware
-    # produced; a protocol with an error shape of its own (Messages) then reshapes it.
+    # One middleware (middleware.py): the trace spans everything; the metrics count the status
+    # the client gets; errors are mapped, then reshaped on a protocol's paths (Messages).
     shapes = ErrorShapes(PROTOCOLS)
+    http_metrics = health.Metrics(metrics.registry if metrics is not None else None)
     app = web.Application(
-        middlewares=[
-            tracing_middleware,
-            health.metrics_middleware,
-            shapes.middleware(),
-            error_middleware,
-        ],
+        middlewares=[request_middleware(shapes, http_metrics)],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -62,7 +58,7 @@ def build_app(settings: GatewaySettings, metrics: ServiceMetrics | None = None) 
     app[ROUTE_CACHE] = RouteCache(
         ttl_s=settings.route_cache_ttl_s, max_entries=settings.route_cache_size
     )
-    app[health.METRICS] = health.Metrics(metrics.registry if metrics is not None else None)
+    app[health.METRICS] = http_metrics
     app[TURN_METRICS] = TurnMetrics(app[health.METRICS].registry)
     app[health.LIVE_WORKERS] = health.LiveWorkers()
     app[models.STARTED_AT] = int(time.time())

@@ -94,12 +94,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     if call.stream:
         return await _stream(request, spec)
-    body, _ = await request.app[RELAY].complete(spec)
+    body = await request.app[RELAY].answer(spec)
     return web.Response(body=body, content_type=JSON_CONTENT_TYPE)
 
 
 def _sse(payloads: list[bytes]) -> bytes:
-    return b"".join(b"data: " + payload + b"\n\n" for payload in payloads)
+    if not payloads:
+        return b""
+    return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
 
 
 async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
@@ -114,14 +116,13 @@ async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
                 if isinstance(event, Chunks):
                     await response.write(_sse(event.payloads))
                 event = await anext(events)
-            # The last chunks and the end in one write, once the turn is recorded.
-            await response.write(_sse(event.tail) + SSE_DONE)
+            # The last chunks, [DONE] and the end of the body in one write, once the turn is
+            # recorded.
+            await response.write_eof(_sse(event.tail) + SSE_DONE)
         except RollgateError as err:
-            await response.write(sse_error_event(err))
+            await response.write_eof(sse_error_event(err))
         except ConnectionResetError:
             log.info("client_disconnected", request_id=spec.request_id)
-            return response
-    await response.write_eof()
     return response
 
 

@@ -375,7 +375,15 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
         self._shapes = shapes
         # True while the connection waits for the head of its next request.
         self._awaiting_head = True
-        self._head_timer: asyncio.TimerHandle | None = None
+        # Loop time of the first byte of the head under way (None: no head is).
+        self._head_since: float | None = None
+        # The body under watch, and the loop time its wait began.
+        self._body: StreamReader | None = None
+        self._body_since = 0.0
+        # One timer for both deadlines, armed for the earliest one known and never moved later:
+        # a request done in time costs no timer of its own (arming and cancelling one per head
+        # and per body cost more than a wake-up every `header_timeout_s` that finds none due).
+        self._deadlines: asyncio.TimerHandle | None = None
         # Set once a 408 went out: what the client still sends is read and dropped.
         self._timed_out = False
 
@@ -388,24 +396,56 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
         """Starts the head deadline at the first byte of a request head."""
         if self._timed_out:
             return
-        if self._awaiting_head and self._head_timer is None and data:
-            self._head_timer = self._loop.call_later(
-                self._limits.header_timeout_s, self._head_timed_out
-            )
+        if self._awaiting_head and self._head_since is None and data:
+            self._head_since = now = self._loop.time()
+            self._due_by(now + self._limits.header_timeout_s)
         super().data_received(data)
 
     def head_received(self) -> None:
         """A complete head arrived (its request is being handled): no deadline until the next."""
         self._awaiting_head = False
-        self._cancel_head_timer()
+        self._head_since = None
 
     def watch_body(self, request: web.BaseRequest) -> None:
         """Gives the request's body `body_timeout_s` to arrive; then reading it fails with 408."""
         payload = request.content
         if not request.body_exists or payload.is_eof():
             return
-        timer = self._loop.call_later(self._limits.body_timeout_s, self._body_timed_out, payload)
-        payload.on_eof(timer.cancel)
+        # Requests on a connection come one after the other: the previous body is complete.
+        self._body = payload
+        self._body_since = now = self._loop.time()
+        self._due_by(now + self._limits.body_timeout_s)
+
+    def _due_by(self, when: float) -> None:
+        """Makes the deadline timer fire by `when` (loop time)."""
+        timer = self._deadlines
+        if timer is not None:
+            if timer.when() <= when:
+                return
+            timer.cancel()
+        self._deadlines = self._loop.call_at(when, self._check_deadlines)
+
+    def _check_deadlines(self) -> None:
+        """The deadline timer: a head or a body past its deadline is answered 408; the timer
+        is armed again for what is still under way."""
+        self._deadlines = None
+        now = self._loop.time()
+        if self._awaiting_head and self._head_since is not None:
+            due = self._head_since + self._limits.header_timeout_s
+            if due <= now:
+                self._head_timed_out()
+                return
+            self._due_by(due)
+        body = self._body
+        if body is not None:
+            due = self._body_since + self._limits.body_timeout_s
+            if body.is_eof():
+                self._body = None
+            elif due <= now:
+                self._body = None
+                self._body_timed_out(body)
+            else:
+                self._due_by(due)
 
     def _body_timed_out(self, payload: StreamReader) -> None:
         if payload.is_eof():
@@ -432,17 +472,14 @@ class GatewayRequestHandler(web_protocol.RequestHandler):
             self._awaiting_head = True
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        """Drops the head deadline with the connection."""
-        self._cancel_head_timer()
+        """Drops the deadlines with the connection."""
+        if self._deadlines is not None:
+            self._deadlines.cancel()
+            self._deadlines = None
+        self._body = None
         super().connection_lost(exc)
 
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
     def _head_timed_out(self) -> None:
-        self._head_timer = None
         transport = self.transport
         if not self._awaiting_head or transport is None or transport.is_closing():
             return

@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -66,30 +65,10 @@ class Metrics:
 METRICS = web.AppKey("metrics", Metrics)
 
 
-def _route_label(request: web.Request) -> str:
+def route_label(request: web.Request) -> str:
+    """The route label of a request: its route's path pattern, or `unmatched`."""
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Counts every request by route and final status (outside the error middleware)."""
-    started = time.perf_counter()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except asyncio.CancelledError:
-        status = CLIENT_CLOSED_STATUS
-        raise
-    finally:
-        request.app[METRICS].observe(
-            route=_route_label(request),
-            method=request.method,
-            status=status,
-            duration_s=time.perf_counter() - started,
-        )
 
 
 class LiveWorkers:

@@ -7,7 +7,6 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from services.runtime.errors import InternalError, InvalidRequest, RollgateError
 from services.runtime.logs import get_logger
@@ -86,12 +85,10 @@ def http_exception_response(request: web.BaseRequest, exc: web.HTTPException) ->
     return response
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Maps every error a handler raises to a JSON response."""
-    try:
-        return await handler(request)
-    except RollgateError as err:
+def failure_response(request: web.BaseRequest, err: Exception) -> web.Response:
+    """The JSON response for what a handler raised (aiohttp's HTTP exceptions aside: they are
+    `http_exception_response`'s), logged as what it is. Call it while handling `err`."""
+    if isinstance(err, RollgateError):
         level = log.warning if err.http_status >= 500 else log.info
         level(
             "request_failed",
@@ -101,17 +98,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             message=err.message,
         )
         return error_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return http_exception_response(request, exc)
-    except web.RequestPayloadError:
+    if isinstance(err, web.RequestPayloadError):
         # The body could not be read: a Content-Encoding it does not have, broken chunks. The
         # rest of it cannot be framed either: the connection closes (aiohttp would otherwise
         # drain it, hit the same error and log it as an unhandled exception).
         response = error_response(undecodable_body())
         response.force_close()
         return response
-    except Exception:
-        log.exception("unhandled_error", path=request.path, method=request.method)
-        return error_response(InternalError("internal error; see the gateway logs"))
+    log.exception("unhandled_error", path=request.path, method=request.method)
+    return error_response(InternalError("internal error; see the gateway logs"))

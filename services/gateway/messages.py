@@ -69,7 +69,7 @@ def _spec(request: web.Request, key: str, call: MessagesCall, message_id: str) -
 
 async def _complete(request: web.Request, spec: TurnSpec) -> dict[str, Any]:
     """The chat completion of a non-streamed turn, once it is recorded."""
-    body, _ = await request.app[RELAY].complete(spec)
+    body = await request.app[RELAY].answer(spec)
     completion: dict[str, Any] = orjson.loads(body)
     return completion
 
@@ -151,10 +151,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             for chunk in batch.chunks:
                 events += stream.feed(chunk)
             await response.write(b"".join(events))
-        await response.write(b"".join(stream.finish()))
+        # The last events and the end of the body in one write.
+        await response.write_eof(b"".join(stream.finish()))
     except RollgateError as err:
         log.warning("message_stream_failed", code=err.code, message=err.message)
-        await response.write(error_event(err.http_status, err.message, err.code))
+        await response.write_eof(error_event(err.http_status, err.message, err.code))
     except ConnectionResetError:
         log.info("client_disconnected", message_id=message_id)
     finally:

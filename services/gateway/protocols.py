@@ -5,7 +5,7 @@ it serves, which of them take a session key, and, when its clients expect errors
 their own, that shape. app.py mounts the protocols it lists in `PROTOCOLS`; from the same
 declarations url_sessions.py gives every session-key route its `/sessions/<id>` and
 `/rollout/<r>/attempt/<a>` twins, and `ErrorShapes` reshapes an error on a protocol's paths —
-in the app (its middleware) and at the edge, before routing (edge.py). Adding a protocol is its
+in the app (its request middleware, middleware.py) and at the edge, before routing (edge.py). Adding a protocol is its
 module(s) and one line in app.py (docs/internals.md, "Adding a protocol").
 """
 
@@ -19,8 +19,6 @@ from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler as MiddlewareHandler
-from aiohttp.typedefs import Middleware
 
 from services.gateway.http_errors import JSON_CONTENT_TYPE
 
@@ -131,18 +129,6 @@ class ErrorShapes:
             )
         )
         return response
-
-    def middleware(self) -> Middleware:
-        """The app's middleware: wraps the error middleware, so every error a protocol's client
-        can meet on its paths (auth, routing, body limits, the relay) takes its shape."""
-
-        @web.middleware
-        async def protocol_errors(
-            request: web.Request, handler: MiddlewareHandler
-        ) -> web.StreamResponse:
-            return self.reshape(request, await handler(request))
-
-        return protocol_errors
 
 
 ERROR_SHAPES = web.AppKey("error_shapes", ErrorShapes)

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from protos import worker_pb2
+from protos import common_pb2, worker_pb2
 from services.gateway.header_mode import TurnTags
-from services.gateway.ledger import Admitted, LedgerClient
+from services.gateway.ledger import Admitted, LedgerClient, Recorded
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
 from services.gateway.worker_calls import STOPPING_CODE, UNAVAILABLE_CODE, WorkerTurn, WorkerTurns
@@ -384,11 +384,13 @@ class TurnRelay:
             if tail.output_tokens:
                 clock.output()
             recording = True
-            done = await self._record(spec, admitted, record.record, spans.spans)
+            recorded = await self._record(spec, admitted, record.record, spans.spans)
             ended = True
             clock.recorded(record.record)
-            yield Done(
-                **done,
+            yield self._done(
+                spec,
+                recorded,
+                record.record,
                 tail=[] if spec.deltas_only else [*payloads, *tail.chunks],
                 tail_delta=_delta(tail.delta) if tail.HasField("delta") else None,
             )
@@ -407,6 +409,17 @@ class TurnRelay:
 
     async def complete(self, spec: TurnSpec) -> tuple[bytes, Done]:
         """One non-streaming turn: the body for the client and Done, after the record."""
+        answer, recorded = await self._complete(spec)
+        return answer.body_json, self._done(spec, recorded, answer.record)
+
+    async def answer(self, spec: TurnSpec) -> bytes:
+        """One non-streaming turn: the body for the client (the worker's chat completion),
+        after the record; `complete` without Done, which a protocol answering with that body
+        needs none of."""
+        answer, _ = await self._complete(spec)
+        return answer.body_json
+
+    async def _complete(self, spec: TurnSpec) -> tuple[worker_pb2.CompleteResponse, Recorded]:
         admitted: Admitted | None = None
         recording = ended = False
         failure: RollgateError | None = None
@@ -418,10 +431,10 @@ class TurnRelay:
             turn, events, _ = await self._open(spec, admitted, choice, stream=False)
             answer = events[0].completed
             recording = True
-            done = await self._record(spec, admitted, answer.record, None)
+            recorded = await self._record(spec, admitted, answer.record, None)
             ended = True
             clock.recorded(answer.record)
-            return answer.body_json, Done(**done)
+            return answer, recorded
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
             failure = err
@@ -498,10 +511,10 @@ class TurnRelay:
         self,
         spec: TurnSpec,
         admitted: Admitted,
-        record: Any,
+        record: common_pb2.TurnRecord,
         spans: list[tuple[int, int]] | None,
-    ) -> dict[str, Any]:
-        recorded = await self._ledger.record(
+    ) -> Recorded:
+        return await self._ledger.record(
             route_key=spec.route_key,
             ticket=admitted.ticket,
             record=record,
@@ -513,14 +526,26 @@ class TurnRelay:
             spans=spans,
             timeout_s=spec.remaining_s(),
         )
-        return {
-            "interaction_id": recorded.interaction_id,
-            "session_id": recorded.session_id,
-            "message": _json_object(record.assistant_message_json),
-            "usage": _json_object(record.usage_json),
-            "finish_reason": record.finish_reason or "stop",
-            "model": record.upstream_model or spec.model,
-        }
+
+    def _done(
+        self,
+        spec: TurnSpec,
+        recorded: Recorded,
+        record: common_pb2.TurnRecord,
+        *,
+        tail: list[bytes] | None = None,
+        tail_delta: Delta | None = None,
+    ) -> Done:
+        return Done(
+            interaction_id=recorded.interaction_id,
+            session_id=recorded.session_id,
+            message=_json_object(record.assistant_message_json),
+            usage=_json_object(record.usage_json),
+            finish_reason=record.finish_reason or "stop",
+            model=record.upstream_model or spec.model,
+            tail=tail if tail is not None else [],
+            tail_delta=tail_delta,
+        )
 
     async def _release(
         self, spec: TurnSpec, admitted: Admitted, failure: RollgateError | None, failed_call: str

@@ -311,10 +311,11 @@ async def _stream(
             item = await anext(items)
         final, events = builder.finish(item)
         await _store(request, digest, builder.call, final)
-        await response.write(b"".join(events) + SSE_DONE)
+        # The last events, [DONE] and the end of the body in one write.
+        await response.write_eof(b"".join(events) + SSE_DONE)
     except RollgateError as err:
         log.warning("response_stream_failed", code=err.code, message=err.message)
-        await response.write(b"".join(builder.fail(err)) + SSE_DONE)
+        await response.write_eof(b"".join(builder.fail(err)) + SSE_DONE)
     except ConnectionResetError:
         log.info("client_disconnected", response_id=builder.response_id)
     return response

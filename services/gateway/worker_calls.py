@@ -109,6 +109,7 @@ class WorkerTurn:
             finally:
                 self._waiter = None
         events = self._inbox
+        taken = 0
         for index, event in enumerate(events):
             if event.WhichOneof("event") == "error_json":
                 self._error = _error_of(event)
@@ -116,9 +117,10 @@ class WorkerTurn:
                 if not events:
                     raise self._error
                 break
+            taken += event.size
         else:
             self._inbox = []
-        self._taken += sum(e.size for e in events)
+        self._taken += taken
         return events
 
     def _credit(self) -> None:
@@ -135,11 +137,11 @@ class WorkerTurn:
             self.ended = True
             self._stream.cancel(self.id)
 
-    def deliver(self, event: worker_pb2.TurnEvent) -> None:
-        """An event of this turn came."""
+    def deliver(self, event: worker_pb2.TurnEvent, *, last: bool) -> None:
+        """An event of this turn came (`last`: the turn's last one)."""
         if event.WhichOneof("event") != "error_json":
             self.received = True
-        if _is_last(event):
+        if last:
             self.ended = True
             self._timer.cancel()
         self._inbox.append(event)
@@ -194,11 +196,11 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
     def usable(self) -> bool:
         return self.alive and not self.stopping and not self._closing
 
-    def start(self, turn_id: int, start: worker_pb2.TurnStart, timeout_s: float) -> WorkerTurn:
-        """Queues the turn's start; its events go to the WorkerTurn."""
-        turn = WorkerTurn(self, turn_id, timeout_s)
-        self._turns[turn_id] = turn
-        self.send(worker_pb2.TurnOp(id=turn_id, start=start))
+    def start(self, op: worker_pb2.TurnOp, timeout_s: float) -> WorkerTurn:
+        """Queues the turn's start (`op`); its events go to the WorkerTurn."""
+        turn = WorkerTurn(self, op.id, timeout_s)
+        self._turns[op.id] = turn
+        self.send(op)
         return turn
 
     def send(self, op: worker_pb2.TurnOp) -> None:
@@ -224,11 +226,12 @@ class _WorkerStream(BatchedCall[worker_pb2.TurnOp]):
             turn = self._turns.get(event.id)
             if turn is None:
                 continue  # cancelled meanwhile
-            if _is_last(event):
+            last = _is_last(event)
+            if last:
                 del self._turns[event.id]
                 if event.WhichOneof("event") == "error_json" and not turn.received:
                     self.stopping = self.stopping or _error_of(event).code == STOPPING_CODE
-            turn.deliver(event)
+            turn.deliver(event, last=last)
 
     def _ended(self, error: grpc.aio.AioRpcError | None) -> None:
         self._fail(from_rpc_error(error, hop="worker") if error is not None else None)
@@ -283,14 +286,16 @@ class WorkerTurns:
             worker = self._streams[address] = _WorkerStream(
                 self._channels.get(address), address, framed=self._framed, on_open=self._on_open
             )
-        start = worker_pb2.TurnStart(
-            request=request,
-            stream=stream,
-            timeout_s=timeout_s,
-            traceparent=traceparent,
-            window_bytes=WINDOW_BYTES,
-        )
-        return worker.start(next(self._ids), start, timeout_s)
+        # Built in place: a message given to a constructor is copied (the request, then the
+        # start), and the request carries the whole body.
+        op = worker_pb2.TurnOp(id=next(self._ids))
+        start = op.start
+        start.request.CopyFrom(request)
+        start.stream = stream
+        start.timeout_s = timeout_s
+        start.traceparent = traceparent
+        start.window_bytes = WINDOW_BYTES
+        return worker.start(op, timeout_s)
 
     async def close(self) -> None:
         """Ends every stream (gateway shutdown, after its in-flight turns)."""

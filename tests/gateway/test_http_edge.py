@@ -463,6 +463,40 @@ async def test_keep_alive_serves_several_requests_within_the_limits(
         writer.close()
 
 
+@pytest.mark.parametrize(
+    "stalled",
+    [
+        b"GET /health HTTP/1.1\r\nHo",
+        b"POST /rl/set_reward HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + SESSION
+        + b"\r\nContent-Length: 100\r\n\r\n{\"reward\": ",
+    ],
+    ids=["head", "body"],
+)  # fmt: skip
+async def test_a_stall_after_a_served_request_on_the_connection_is_answered_408(
+    edge_gateway: GatewayServer, stalled: bytes
+) -> None:
+    # The deadlines of a connection share one timer, armed at the first head's first byte: it
+    # must still end the stall that starts later (the first head takes 0.3 s of the 0.5 s).
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge_gateway.port)
+    try:
+        served = b"POST /rl/set_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+        for piece in (served[:10], served[10:20]):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.15)  # the client under test is slow on purpose
+        writer.write(served[20:])
+        await writer.drain()
+        async with asyncio.timeout(30):
+            assert (await read_response(reader)).startswith(b"HTTP/1.1 401")
+            writer.write(stalled)
+            await writer.drain()
+            status, headers, body = parse(await read_response(reader))
+        assert status == 408
+        assert_error_shape(headers, body, "request_timeout")
+    finally:
+        writer.close()
+
+
 async def test_edge_refusals_on_messages_paths_take_anthropics_shape(
     gateway_without_backends: Gateway,
 ) -> None:

@@ -11,7 +11,8 @@ import orjson
 from aiohttp import web
 
 from services.gateway.edge import EdgeLimits, GatewayRunner
-from services.gateway.http_errors import error_middleware
+from services.gateway.health import Metrics
+from services.gateway.middleware import request_middleware
 from services.gateway.protocols import ErrorShapes, Protocol, Route, Twins, routes_of
 from services.gateway.url_sessions import ATTEMPT_PREFIX, SESSION_PREFIX
 from services.gateway.url_sessions import mount as mount_session_twins
@@ -45,7 +46,7 @@ OTHER = Protocol(name="other", routes=(Route(method="POST", path="/v1/other", ha
 
 def _app(*protocols: Protocol) -> web.Application:
     shapes = ErrorShapes(protocols)
-    app = web.Application(middlewares=[shapes.middleware(), error_middleware])
+    app = web.Application(middlewares=[request_middleware(shapes, Metrics())])
     for protocol in protocols:
         protocol.mount(app)
     mount_session_twins(app, routes_of(protocols))
