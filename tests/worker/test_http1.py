@@ -60,6 +60,18 @@ def pool(port: int, **headers: str) -> Http1Pool:
     return Http1Pool("127.0.0.1", port, connect_timeout_s=5.0, headers=headers)
 
 
+async def bodies(port: int, times: int) -> list[bytes]:
+    """`times` requests one after the other on one pool, each answer read to its end."""
+    client = pool(port)
+    read = []
+    for _ in range(times):
+        response = await client.request("POST", "/", b"{}")
+        read.append(await response.read())
+        response.release()
+    await client.close()
+    return read
+
+
 async def test_a_content_length_answer_and_the_request_as_sent() -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         body = await read_request(reader)
@@ -136,12 +148,7 @@ async def test_a_body_without_length_ends_with_the_connection_which_is_not_reuse
         writer.close()
 
     async with scripted(script) as (port, _):
-        client = pool(port)
-        for _ in range(2):
-            response = await client.request("POST", "/", b"{}")
-            assert await response.read() == b"all of it"
-            response.release()
-        await client.close()
+        assert await bodies(port, 2) == [b"all of it"] * 2
     assert connections == 2
 
 
@@ -157,12 +164,7 @@ async def test_connection_close_is_honoured() -> None:
         await reader.read()
 
     async with scripted(script) as (port, _):
-        client = pool(port)
-        for _ in range(2):
-            response = await client.request("POST", "/", b"{}")
-            assert await response.read() == b"1"
-            response.release()
-        await client.close()
+        assert await bodies(port, 2) == [b"1"] * 2
     assert connections == 2
 
 
@@ -176,12 +178,7 @@ async def test_a_kept_alive_connection_the_server_closed_is_replaced() -> None:
         await writer.drain()
 
     async with scripted(script) as (port, heads):
-        client = pool(port)
-        for _ in range(3):
-            response = await client.request("POST", "/", b"{}")
-            assert await response.read() == b"ok"
-            response.release()
-        await client.close()
+        assert await bodies(port, 3) == [b"ok"] * 3
     assert len(heads) == 3
 
 
@@ -200,12 +197,7 @@ async def test_a_reused_connection_that_fails_before_answering_is_retried_once_a
             writer.transport.abort()
 
     async with scripted(script) as (port, heads):
-        client = pool(port)
-        for _ in range(2):
-            response = await client.request("POST", "/", b"{}")
-            assert await response.read() == b"ok"
-            response.release()
-        await client.close()
+        assert await bodies(port, 2) == [b"ok"] * 2
     assert (runs, len(heads)) == (2, 3)
 
 
