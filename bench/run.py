@@ -11,8 +11,9 @@ and to the floor, added p50 / p99 / time to first token, CPU per request of ever
 OpenClaw-like episode gains per turn. Raw results go to bench/results/.
 
 Usage: `make bench` or `.venv/bin/python bench/run.py [--rounds 5] [--seconds 3] [--cells …]`.
-`--rollgate-root DIR` runs the services of another checkout (its .venv) with this bench, the
-mock and the floor of this one: before/after numbers from one bench.
+`--rollgate-root DIR` runs the services of another checkout (with its .venv, else this bench's
+interpreter: the services run as `python -m services.…` from DIR, so DIR's code is what runs)
+with this bench, the mock and the floor of this one: before/after numbers from one bench.
 """
 
 from __future__ import annotations
@@ -233,6 +234,13 @@ def _spawn(argv: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def _python_of(root: Path) -> Path:
+    """The interpreter the services of checkout `root` run with: its .venv's, else this one
+    (a bare `git worktree` of an older commit has no .venv; the code comes from `root`)."""
+    own = root / ".venv" / "bin" / "python"
+    return own if own.exists() else Path(sys.executable)
+
+
 def _serve_http(argv: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Starts an HTTP process on a free port (`{port}` in argv); retries when the port was
     taken meanwhile. Returns the process and its base URL."""
@@ -289,7 +297,7 @@ def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Env
             workers=args.workers,
             upstream_base_url=mock_url + "/v1",
             upstream_kind="vllm",
-            python=str(root / ".venv" / "bin" / "python"),
+            python=str(_python_of(root)),
             state_dir=logs,
             extra_env={"ROLLGATE_LOG_LEVEL": "warning", **dict(args.env)},
         )
@@ -666,7 +674,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also run bench/skeleton.py (the design's hops and nothing else) in every round",
     )
     parser.add_argument(
-        "--rollgate-root", default=str(REPO), help="checkout whose services (and .venv) run"
+        "--rollgate-root",
+        default=str(REPO),
+        help="checkout whose services run (with its .venv if it has one)",
     )
     parser.add_argument(
         "--env",

@@ -64,3 +64,14 @@ def test_the_shim_profiles_only_the_chosen_service(tmp_path: Path) -> None:
     text = shim.read_text()
     assert "services.dataproxy" in text and "cprofile_run.py" in text and str(stats) in text
     assert (root / "services").resolve() == (real / "services").resolve()
+
+
+def test_another_checkout_runs_with_its_venv_else_this_interpreter(tmp_path: Path) -> None:
+    run = _load("run")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert run._python_of(bare) == Path(sys.executable)
+    own = bare / ".venv" / "bin" / "python"
+    own.parent.mkdir(parents=True)
+    own.write_text("")
+    assert run._python_of(bare) == own
