@@ -36,6 +36,9 @@ _CHUNK_END: Final = -1
 _TRAILERS: Final = -2
 # Idle connections kept per upstream (more are closed as they come back).
 _MAX_IDLE: Final = 256
+# Requests under way at once per upstream (as aiohttp's connector allowed); more wait their
+# turn, in order, within their deadline.
+MAX_CONNECTIONS: Final = 1024
 
 
 class HttpError(Exception):
@@ -266,6 +269,7 @@ class Http1Response:
             self._released = True
             self._connection.close()
             self._fail(HttpError("the response was closed"))
+            self._pool._free()
 
     def release(self) -> None:
         """Gives the connection back for another request (when the body was read to its end;
@@ -274,6 +278,7 @@ class Http1Response:
         if self._released:
             return
         self._released = True
+        self._pool._free()
         connection = self._connection
         connection.response = None
         if self._eof and self._error is None and connection.reusable and connection.open:
@@ -422,6 +427,7 @@ class Http1Pool:
         *,
         connect_timeout_s: float,
         headers: dict[str, str] | None = None,
+        limit: int = MAX_CONNECTIONS,
     ) -> None:
         self._host = host
         self._port = port
@@ -434,6 +440,10 @@ class Http1Pool:
         self._fixed = ("\r\n".join(lines) + "\r\n").encode("latin-1")
         self._idle_connections: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
+        # Requests holding a connection (or opening one), and those waiting for one to free.
+        self._limit = limit
+        self._busy = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
 
     def __repr__(self) -> str:
         return f"Http1Pool({self._host}:{self._port})"
@@ -459,10 +469,18 @@ class Http1Pool:
         )
         data = head + body if len(body) < 16384 else None
         while True:
+            if self._busy >= self._limit or self._waiting:
+                await self._slot(deadline)
+            else:
+                self._busy += 1
             connection = self._take()
             reused = connection is not None
             if connection is None:
-                connection = await self._connect(deadline)
+                try:
+                    connection = await self._connect(deadline)
+                except BaseException:
+                    self._free()
+                    raise
             response = Http1Response(connection, self)
             connection.response = response
             if deadline is not None:
@@ -484,6 +502,34 @@ class Http1Pool:
                 response.close()
                 raise
             return response
+
+    async def _slot(self, deadline: float | None) -> None:
+        """Waits (in order, within `deadline`) until a request under way ends and hands its
+        place over."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiter
+        except BaseException as err:
+            if waiter.done() and not waiter.cancelled():
+                self._free()  # handed a place as it gave up: the place goes on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(waiter)
+            if isinstance(err, TimeoutError):
+                raise HttpTimeout("the upstream did not answer in time") from None
+            raise
+
+    def _free(self) -> None:
+        """A request's connection is released or closed: its place goes to the first request
+        waiting, else it is free."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._busy -= 1
 
     def _take(self) -> _Connection | None:
         while self._idle_connections:

@@ -316,3 +316,35 @@ async def test_a_request_past_its_deadline_times_out_and_drops_its_connection(st
         async with asyncio.timeout(10):
             await dropped.wait()
         await client.close()
+
+
+async def test_requests_past_the_limit_wait_their_turn_and_reuse_the_connection() -> None:
+    connections = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with scripted(script) as (port, heads):
+        client = Http1Pool("127.0.0.1", port, connect_timeout_s=5.0, limit=1)
+        first = await client.request("POST", "/", b"{}")
+        second = asyncio.create_task(client.request("POST", "/", b"{}"))
+        due = asyncio.get_running_loop().time() + 0.2  # the third request's own deadline
+        third = asyncio.create_task(client.request("POST", "/", b"{}", deadline=due))
+        # The third gives up at its deadline while the first still holds the one connection.
+        with pytest.raises(HttpTimeout):
+            await third
+        assert len(heads) == 1 and not second.done()
+        assert await first.read() == b"ok"
+        first.release()
+        response = await second  # on the connection the first gave back
+        assert await response.read() == b"ok"
+        response.release()
+        # The place the timed-out request never took is not lost: the next one goes at once.
+        assert await (await client.request("POST", "/", b"{}")).read() == b"ok"
+        await client.close()
+    assert (len(heads), connections) == (3, 1)
