@@ -185,12 +185,22 @@ async def end_session(request: web.Request) -> web.Response:
     rpc_request = dataproxy_pb2.EndSessionRequest(
         key_digest=key_digest(key), session_id=session_id.strip()
     )
-    try:
-        response = await request.app[BACKENDS].dataproxy.EndSession(
-            rpc_request, timeout=settings.end_session_timeout_s, metadata=tracing.grpc_metadata()
-        )
-    except grpc.aio.AioRpcError as err:
-        raise from_rpc_error(err, hop="dataproxy") from None
+    dataproxy = request.app[BACKENDS].dataproxy
+    for attempt in range(2):
+        try:
+            response = await dataproxy.EndSession(
+                rpc_request,
+                timeout=settings.end_session_timeout_s,
+                metadata=tracing.grpc_metadata(),
+            )
+            break
+        except grpc.aio.AioRpcError as err:
+            # A call that reaches a replica as it stops is failed CANCELLED unserved
+            # (grpc/grpc#41785). Ending is idempotent — a second call gets the publication
+            # the first made, if it made one — so it goes once more, to a replica serving.
+            if err.code() == grpc.StatusCode.CANCELLED and attempt == 0:
+                continue
+            raise from_rpc_error(err, hop="dataproxy") from None
     return json_response(
         {
             "message": "success",
