@@ -12,8 +12,8 @@ import grpc
 
 from protos import dataproxy_pb2, dataproxy_pb2_grpc
 from services.gateway.app import GatewayServer
-from services.runtime.grpc_server import GrpcServer, ServerSpec
 from tests.gateway.conftest import gateway_settings
+from tests.harness.inprocess import scripted_dataproxy
 
 
 class _StoppingOnce(dataproxy_pb2_grpc.DataProxyServicer):
@@ -38,13 +38,7 @@ class _StoppingOnce(dataproxy_pb2_grpc.DataProxyServicer):
 
 async def _end(cancelled: int, session_key: str) -> tuple[int, dict[str, Any], int]:
     servicer = _StoppingOnce(cancelled)
-    server = GrpcServer(
-        ServerSpec(
-            name="dataproxy", host="127.0.0.1", port=0, service_names=[], stop_notice_s=0.0,
-            grace_s=0.5,
-        )
-    )  # fmt: skip
-    dataproxy_pb2_grpc.add_DataProxyServicer_to_server(servicer, server.server)
+    server = scripted_dataproxy(servicer)
     async with server:
         address = f"127.0.0.1:{server.port}"
         settings = gateway_settings(router_addr=address, dataproxy_addr=address)

@@ -14,8 +14,8 @@ from protos import dataproxy_pb2, dataproxy_pb2_grpc
 from services.gateway.ledger import LedgerClient
 from services.runtime.errors import UpstreamTimeout
 from services.runtime.grpc_client import open_channel
-from services.runtime.grpc_server import GrpcServer, ServerSpec
 from services.runtime.keys import key_digest, new_session_key
+from tests.harness.inprocess import scripted_dataproxy
 from tests.harness.poll import eventually
 
 DIGEST = key_digest(new_session_key())
@@ -62,13 +62,7 @@ class _GatedStub:
 @pytest.fixture
 async def silent() -> AsyncIterator[tuple[_SilentDataproxy, Any]]:
     servicer = _SilentDataproxy()
-    server = GrpcServer(
-        ServerSpec(
-            name="dataproxy", host="127.0.0.1", port=0, service_names=[], stop_notice_s=0.0,
-            grace_s=0.5,
-        )
-    )  # fmt: skip
-    dataproxy_pb2_grpc.add_DataProxyServicer_to_server(servicer, server.server)
+    server = scripted_dataproxy(servicer)
     async with server, open_channel(f"127.0.0.1:{server.port}") as channel:
         yield servicer, dataproxy_pb2_grpc.DataProxyStub(channel)
 

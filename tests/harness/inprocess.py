@@ -383,3 +383,16 @@ async def serving_trainer(servicer: TrainerServicer) -> AsyncIterator[str]:
     finally:
         await servicer.close()
         await server.stop()
+
+
+def scripted_dataproxy(servicer: dataproxy_pb2_grpc.DataProxyServicer) -> GrpcServer:
+    """A real gRPC server (port 0) serving a test's own DataProxy servicer — a dataproxy that
+    misbehaves on purpose; use it with `async with`."""
+    server = GrpcServer(
+        ServerSpec(
+            name="dataproxy", host="127.0.0.1", port=0, service_names=[], stop_notice_s=0.0,
+            grace_s=0.5,
+        )
+    )  # fmt: skip
+    dataproxy_pb2_grpc.add_DataProxyServicer_to_server(servicer, server.server)
+    return server
