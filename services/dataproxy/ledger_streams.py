@@ -238,9 +238,13 @@ class LedgerStreams:
             future = self._ledger.begin_now(begin.key_digest, session_id=begin.session_id)
         elif kind == "record":
             record = request.record
-            future = self._ledger.record_now(record.ticket, _turn_end(record))
+            try:
+                episode = decode_ticket(record.ticket)
+            except InvalidRequest:
+                return False  # its task answers why
+            future = self._ledger.record_now(episode, _turn_end(record))
             if future is not None:
-                self._forget(record.ticket)
+                self._forget_lease(episode.lease_token)
         else:
             return False
         if future is None:
@@ -383,7 +387,9 @@ class LedgerStreams:
 
     def _forget(self, ticket: bytes) -> None:
         """The turn is ending: no stream has to release it any more (any stream may end it)."""
-        token = decode_ticket(ticket).lease_token
+        self._forget_lease(decode_ticket(ticket).lease_token)
+
+    def _forget_lease(self, token: str) -> None:
         for stream in self._streams:
             stream.admitted.pop(token, None)
 

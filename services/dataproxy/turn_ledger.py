@@ -273,25 +273,22 @@ class TurnLedger:
         index = await self._store.record_turn(
             episode, interaction_id=turn.record.interaction_id, encode=turn.encode
         )
+        recorded = self._recorded(turn, index)
         if end.session_done and episode.client_session_id:
-            self._recorded(turn, index)
             await self._store.end_after_turn(episode)
-            return self._answer(turn, index)
-        return self._recorded(turn, index)
+        return recorded
 
-    def record_now(self, ticket: bytes, end: TurnEnd) -> asyncio.Future[RecordedTurn | None] | None:
+    def record_now(
+        self, episode: ActiveEpisode, end: TurnEnd
+    ) -> asyncio.Future[RecordedTurn | None] | None:
         """`record`'s first attempt without a task or coroutine: the append sent now at the
         admission's weight version, the future resolved from the reply's callback with the
         recorded turn, or with None when it was not recorded at once — the version moved,
         NOSCRIPT, a failed call — for `record` to finish (appending is idempotent by
         interaction id: a retry of an append that did land finds it). Unavailable when the
-        episode ended (the append released the lease). None when the turn takes `record`
-        from the start (its ticket does not decode, it ends a header-mode session, there is
-        no pipelined connection)."""
-        try:
-            episode = decode_ticket(ticket)
-        except InvalidRequest:
-            return None
+        episode ended (the append released the lease). `episode` is the turn's ticket,
+        decoded. None when the turn takes `record` from the start (it ends a header-mode
+        session, there is no pipelined connection)."""
         if end.session_done and episode.client_session_id:
             return None
         turn = self._prepare(episode, end)
@@ -349,10 +346,6 @@ class TurnLedger:
                 interaction_id=record.interaction_id,
                 output_tokens=output_length(record),
             )
-        return self._answer(turn, index)
-
-    @staticmethod
-    def _answer(turn: _Turn, index: int) -> RecordedTurn:
         return RecordedTurn(
             interaction_id=turn.record.interaction_id,
             session_id=turn.episode.session_id,
