@@ -478,7 +478,7 @@ class UpstreamClient:
 
         One timer for the whole answer (not one per read: a long answer is hundreds of
         reads): at the deadline it closes the response, which ends the pending read, and the
-        stream fails as timed out."""
+        stream fails as timed out. An http1 response has that timer already (its request's)."""
         parser = SseParser()
         content = response.content
         expired = False
@@ -488,7 +488,11 @@ class UpstreamClient:
             expired = True
             response.close()
 
-        timer = asyncio.get_running_loop().call_at(deadline, expire)
+        timer = (
+            None
+            if isinstance(response, Http1Response)
+            else asyncio.get_running_loop().call_at(deadline, expire)
+        )
         try:
             while True:
                 try:
@@ -510,7 +514,8 @@ class UpstreamClient:
                 if events:
                     yield events
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
 
 
 def _timed_out() -> UpstreamTimeout:

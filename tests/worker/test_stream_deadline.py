@@ -64,19 +64,21 @@ async def _read(client: UpstreamClient, base: str, budget_s: float, into: list[b
             into += batch
 
 
-async def test_a_stream_that_stalls_fails_as_timed_out_at_its_deadline() -> None:
-    async with (
-        _upstream(stall_after=3, interval_s=0.01) as (base, gone),
-        UpstreamClient(base_url=base, api_key=Secret("")) as client,
-    ):
-        payloads: list[bytes] = []
-        started = time.monotonic()
-        with pytest.raises(UpstreamTimeout) as caught:
-            await _read(client, base, 0.6, payloads)
-        waited = time.monotonic() - started
-        # The upstream saw its client go (the generation would stop there).
-        async with asyncio.timeout(5):
-            await gone.wait()
+# Both of the worker's clients: its own HTTP/1.1 client (the request's timer), and aiohttp's,
+# which a base URL with credentials in it takes (read_events' timer).
+@pytest.mark.parametrize("userinfo", ["", "user:pw@"], ids=["http1", "aiohttp"])
+async def test_a_stream_that_stalls_fails_as_timed_out_at_its_deadline(userinfo: str) -> None:
+    async with _upstream(stall_after=3, interval_s=0.01) as (plain, gone):
+        base = plain.replace("http://", "http://" + userinfo)
+        async with UpstreamClient(base_url=base, api_key=Secret("")) as client:
+            payloads: list[bytes] = []
+            started = time.monotonic()
+            with pytest.raises(UpstreamTimeout) as caught:
+                await _read(client, base, 0.6, payloads)
+            waited = time.monotonic() - started
+            # The upstream saw its client go (the generation would stop there).
+            async with asyncio.timeout(5):
+                await gone.wait()
     assert caught.value.http_status == 504
     assert "did not finish its answer in time" in caught.value.message
     assert len(payloads) == 3
