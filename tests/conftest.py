@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -24,30 +25,67 @@ collect_ignore = [] if os.environ.get("ROLLGATE_ENGINE_PYTHON") else ["engine"]
 
 # A hang pytest-timeout cannot break ends the run with every thread's stack instead of using up
 # CI's time in silence: its SIGALRM needs the main thread to run Python, which a C extension
-# holding the GIL or a wait that retries on EINTR never lets it. faulthandler's watchdog is a C
-# thread; it writes to the terminal's stderr (dup'ed before capture hides it) and exits.
-HARD_DEADLINE_S = 420  # per test, setup and teardown included; pytest-timeout's is 300
+# holding the GIL or a wait that retries on EINTR never lets it. A watchdog thread first names
+# the test and its phase (setup, call, teardown: CI shows the end of the output, and a dump
+# alone does not say which test hung), dumps every thread's stack and ends the run; should the
+# GIL never come free for it, faulthandler's C watchdog does the dump and the exit a minute
+# later. Both write to the terminal's stderr, dup'ed before capture hides it.
+# Per test, setup and teardown included; pytest-timeout's is 300. The variable is for the
+# watchdog's own test.
+HARD_DEADLINE_S = float(os.environ.get("ROLLGATE_TEST_HARD_DEADLINE_S", "420"))
 _terminal_stderr: list[int] = []
+_running: dict[str, str] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Capture is suspended while plugins configure; resuming it here would hand the terminal
+    # reporter (configured after this conftest) the captured stdout: no progress, no header.
     capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.suspend_global_capture()
-    try:
+    if capture is None:
         _terminal_stderr.append(os.dup(2))
-    finally:
-        if capture is not None:
-            capture.resume_global_capture()
+        return
+    with capture.global_and_fixture_disabled():
+        _terminal_stderr.append(os.dup(2))
+
+
+def _hung(nodeid: str) -> None:
+    fd = _terminal_stderr[0]
+    phase = _running.get("phase", "?")
+    os.write(fd, f"\n+++ {nodeid} hung in {phase} for {HARD_DEADLINE_S} s +++\n".encode())
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+    os.write(fd, f"+++ {nodeid} hung in {phase} for {HARD_DEADLINE_S} s: run ended +++\n".encode())
+    os._exit(3)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    faulthandler.dump_traceback_later(HARD_DEADLINE_S, exit=True, file=_terminal_stderr[0])
+    watchdog = threading.Timer(HARD_DEADLINE_S, _hung, args=(item.nodeid,))
+    watchdog.daemon = True
+    watchdog.start()
+    faulthandler.dump_traceback_later(HARD_DEADLINE_S + 60, exit=True, file=_terminal_stderr[0])
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+        watchdog.cancel()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    _running["phase"] = "setup"
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    _running["phase"] = "call"
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    _running["phase"] = "teardown"
+    yield
 
 
 @pytest.fixture(scope="session")
