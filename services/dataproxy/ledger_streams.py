@@ -35,7 +35,7 @@ from services.dataproxy.turn_ledger import (
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
 from services.runtime.grpc_server import as_rollgate_error
 from services.runtime.logs import get_logger
-from services.runtime.tasks import PerLoopTurn, cancel_and_wait
+from services.runtime.tasks import DeadlineSweep, PerLoopTurn, cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer
 
 log = get_logger(__name__)
@@ -43,10 +43,6 @@ log = get_logger(__name__)
 METHOD = "/rollgate.v1.DataProxy/Ledger"
 # An op without a timeout gets this one (every op has a deadline).
 DEFAULT_OP_TIMEOUT_S = 30.0
-# Ops past their deadline are looked for this often while any is under way (one timer for
-# all: an `asyncio.timeout` per op cost ≈ 5 µs, a tenth of the op); an op ends at most this
-# much after its deadline.
-DEADLINE_SWEEP_S = 0.05
 CLOSING = "this dataproxy is shutting down; the turn was not started, retry"
 # While shutting down, a stream with nothing under way ends after this long idle.
 CLOSING_IDLE_S = 0.25
@@ -109,8 +105,9 @@ class LedgerStreams:
         self._streams: set[_Stream] = set()
         self._closing = False
         self._drained = asyncio.Event()
-        # The deadline sweep (armed while ops are under way) and the ops it timed out.
-        self._sweep: asyncio.TimerHandle | None = None
+        # The deadline sweep (services/runtime/tasks.py, armed while ops are under way) and
+        # the ops it timed out.
+        self._sweep = DeadlineSweep(self._expire)
         self._expired: set[asyncio.Future[Any]] = set()
 
     @property
@@ -207,8 +204,7 @@ class LedgerStreams:
                     deadline = loop.time() + (request.timeout_s or DEFAULT_OP_TIMEOUT_S)
                     if not self._now(stream, request, deadline):
                         self._task(stream, request, deadline)
-                if self._sweep is None:
-                    self._sweep = loop.call_later(DEADLINE_SWEEP_S, self._expire)
+                self._sweep.arm()
         finally:
             # The gateway closed its side (or went away): answer what it asked, then end.
             while stream.ops:
@@ -298,12 +294,9 @@ class LedgerStreams:
         answer = dataproxy_pb2.LedgerResponse(error_json=error.to_payload())
         return answer, error.grpc_status.name, error.message
 
-    def _expire(self) -> None:
+    def _expire(self, now: float) -> bool:
         """The deadline sweep: ops past their deadline are cancelled (each answers that it
-        timed out); runs again while any op is under way."""
-        self._sweep = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        timed out); True while any op is under way."""
         if self._expired:  # an op that ended otherwise after all
             self._expired = {op for op in self._expired if not op.done()}
         under_way = False
@@ -312,8 +305,7 @@ class LedgerStreams:
                 under_way = True
                 if deadline <= now and op not in self._expired and op.cancel():
                     self._expired.add(op)
-        if under_way:
-            self._sweep = loop.call_later(DEADLINE_SWEEP_S, self._expire)
+        return under_way
 
     async def _timed(
         self, stream: _Stream, request: dataproxy_pb2.LedgerRequest, kind: str

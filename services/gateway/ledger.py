@@ -41,6 +41,7 @@ from services.runtime.errors import (
 )
 from services.runtime.framed import LEDGER_PREAMBLE, PeerStream
 from services.runtime.logs import get_logger
+from services.runtime.tasks import DeadlineSweep
 
 if TYPE_CHECKING:
     from protos.dataproxy_pb2_grpc import DataProxyAsyncStub
@@ -54,10 +55,6 @@ RELEASE_ATTEMPTS = 2
 # restarted replica is reconnected within the channel's reconnect backoff (≤ 2 s).
 CONNECT_WAIT_S = 5.0
 READY = grpc.ChannelConnectivity.READY
-# Ops past their deadline are looked for this often while any waits for its answer (one timer
-# per stream: an `asyncio.timeout` per op cost ≈ 4 µs, two ops a turn); an op fails at most
-# this much after its deadline.
-DEADLINE_SWEEP_S = 0.05
 # The dataproxy's answer to a begin while it shuts down (services/dataproxy/ledger_streams.py):
 # the turn was not started, so another replica may take it.
 STOPPING_CODE = "dataproxy_stopping"
@@ -137,8 +134,8 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
         self._loop = asyncio.get_running_loop()
         # op id → the future its answer goes to, and its deadline (loop time).
         self._pending: dict[int, tuple[asyncio.Future[dataproxy_pb2.LedgerResponse], float]] = {}
-        # The deadline sweep, armed while ops wait.
-        self._sweep: asyncio.TimerHandle | None = None
+        # The deadline sweep (services/runtime/tasks.py), armed while ops wait.
+        self._sweep = DeadlineSweep(self._expire)
         stub = replica.stub
         self.call = PeerStream(
             open_grpc=stub.Ledger,
@@ -161,8 +158,7 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
         answer: asyncio.Future[dataproxy_pb2.LedgerResponse] = loop.create_future()
         self._pending[request.id] = (answer, loop.time() + timeout_s)
         self._queue(request)
-        if self._sweep is None:
-            self._sweep = loop.call_later(DEADLINE_SWEEP_S, self._expire)
+        self._sweep.arm()
         try:
             return await answer
         finally:
@@ -171,13 +167,9 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
                 # Given up (timed out, cancelled) before it was written: it is never sent.
                 self._outbox = [op for op in self._outbox if op is not request]
 
-    def _expire(self) -> None:
-        """The deadline sweep: ops past their deadline fail as timed out; runs again while
-        any op waits."""
-        self._sweep = None
-        if not self._pending:
-            return
-        now = self._loop.time()
+    def _expire(self, now: float) -> bool:
+        """The deadline sweep: ops past their deadline fail as timed out; True while any op
+        waits."""
         for answer, deadline in self._pending.values():
             if deadline <= now and not answer.done():
                 answer.set_exception(
@@ -185,7 +177,7 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
                         "the dataproxy did not answer in time", code="dataproxy_timeout"
                     )
                 )
-        self._sweep = self._loop.call_later(DEADLINE_SWEEP_S, self._expire)
+        return bool(self._pending)
 
     def _batch(self, ops: list[dataproxy_pb2.LedgerRequest]) -> dataproxy_pb2.LedgerRequests:
         return dataproxy_pb2.LedgerRequests(ops=ops)

@@ -1,5 +1,5 @@
 """Stopping the background tasks a service owns; handing on together what one turn of the
-event loop produced."""
+event loop produced; one timer for the deadlines of many operations."""
 
 from __future__ import annotations
 
@@ -39,3 +39,33 @@ class PerLoopTurn(Generic[T]):
         items, self._items = self._items, []
         if items:
             self._flush(items)
+
+
+# How often a DeadlineSweep looks for operations past their deadline: one ends at most this
+# much after it (one timer for all instead of an `asyncio.timeout` per operation, ≈ 4 to 5 µs
+# each, a tenth of a ledger op).
+DEADLINE_SWEEP_S = 0.05
+
+
+class DeadlineSweep:
+    """One timer for the deadlines of many operations: `arm` when one starts; every
+    `interval_s` the owner's `sweep(now)` ends what is past its deadline (loop time) and says
+    whether any operation is still under way — the timer runs again only then."""
+
+    __slots__ = ("_interval_s", "_sweep", "_timer")
+
+    def __init__(self, sweep: Callable[[float], bool], interval_s: float = DEADLINE_SWEEP_S):
+        self._sweep = sweep
+        self._interval_s = interval_s
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Makes sure the sweep runs while operations are under way."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._interval_s, self._run)
+
+    def _run(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        if self._sweep(loop.time()):
+            self._timer = loop.call_later(self._interval_s, self._run)
