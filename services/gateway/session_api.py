@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
@@ -133,6 +135,38 @@ def parse_set_reward(raw: bytes) -> SetRewardCall:
     )
 
 
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+async def _once_more_if_cut(
+    call: Callable[..., Awaitable[Resp]], rpc_request: Req, timeout_s: float
+) -> Resp:
+    """A session call to the dataproxy, sent once more (within the same `timeout_s`) when it
+    failed CANCELLED: grpcio fails a call that reaches a replica as it stops that way,
+    unserved (grpc/grpc#41785), and the channel sends the second to a replica serving.
+    Ending is idempotent (a second call gets the first's publication). A start that was
+    cut unserved started nothing. Were one cut after it was served (a handler cancelled at
+    the end of its server's grace, not what grpc/grpc#41785 does), the second start leaves
+    the first's episode empty and unused — the idle reaper ends it unpublished — and a
+    second refresh ends the first's fresh, empty episode unpublished."""
+    due = time.monotonic() + timeout_s
+
+    def send() -> Awaitable[Resp]:
+        left = max(due - time.monotonic(), 0.001)
+        return call(rpc_request, timeout=left, metadata=tracing.grpc_metadata())
+
+    try:
+        return await send()
+    except grpc.aio.AioRpcError as err:
+        if err.code() != grpc.StatusCode.CANCELLED:
+            raise from_rpc_error(err, hop="dataproxy") from None
+    try:
+        return await send()
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, hop="dataproxy") from None
+
+
 async def start_session(request: web.Request) -> web.Response:
     """POST /rl/start_session (admin key): a new session, or a refresh of `api_key`."""
     settings = request.app[SETTINGS]
@@ -141,12 +175,9 @@ async def start_session(request: web.Request) -> web.Response:
     rpc_request = dataproxy_pb2.StartSessionRequest(
         task_id=call.task_id, api_key=call.api_key, group_size=call.group_size
     )
-    try:
-        response = await request.app[BACKENDS].dataproxy.StartSession(
-            rpc_request, timeout=settings.start_session_timeout_s, metadata=tracing.grpc_metadata()
-        )
-    except grpc.aio.AioRpcError as err:
-        raise from_rpc_error(err, hop="dataproxy") from None
+    response = await _once_more_if_cut(
+        request.app[BACKENDS].dataproxy.StartSession, rpc_request, settings.start_session_timeout_s
+    )
     body: dict[str, Any] = {"session_id": response.session_id, "api_key": response.api_key}
     if response.group_id:
         body["group_id"] = response.group_id
@@ -185,22 +216,9 @@ async def end_session(request: web.Request) -> web.Response:
     rpc_request = dataproxy_pb2.EndSessionRequest(
         key_digest=key_digest(key), session_id=session_id.strip()
     )
-    dataproxy = request.app[BACKENDS].dataproxy
-    for attempt in range(2):
-        try:
-            response = await dataproxy.EndSession(
-                rpc_request,
-                timeout=settings.end_session_timeout_s,
-                metadata=tracing.grpc_metadata(),
-            )
-            break
-        except grpc.aio.AioRpcError as err:
-            # A call that reaches a replica as it stops is failed CANCELLED unserved
-            # (grpc/grpc#41785). Ending is idempotent — a second call gets the publication
-            # the first made, if it made one — so it goes once more, to a replica serving.
-            if err.code() == grpc.StatusCode.CANCELLED and attempt == 0:
-                continue
-            raise from_rpc_error(err, hop="dataproxy") from None
+    response = await _once_more_if_cut(
+        request.app[BACKENDS].dataproxy.EndSession, rpc_request, settings.end_session_timeout_s
+    )
     return json_response(
         {
             "message": "success",
