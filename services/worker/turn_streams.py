@@ -34,7 +34,7 @@ from services.runtime.tracing import Span, TraceContext, Tracer
 from services.worker.metrics import WorkerMetrics
 from services.worker.turn import TurnResult
 from services.worker.turns import StreamBatch, TurnRunner
-from services.worker.wire import StreamedTurn, batch_size, completed
+from services.worker.wire import StreamedTurn, completed
 
 log = get_logger(__name__)
 
@@ -133,10 +133,9 @@ class _TurnEventsOut:
 
     def put(self, event: StreamBatch | TurnResult) -> bool:
         message = worker_pb2.TurnEvent(id=self._turn.id)
-        response = message.generated
-        if not self._streamed.fill(event, response):
+        size = self._streamed.fill(event, message.generated)
+        if size is None:
             return True
-        size = batch_size(response.chunks) if response.HasField("chunks") else 0
         if self._held or not self._turn.spend_now(size):
             self._held.append((message, size))
             return False

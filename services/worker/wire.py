@@ -90,11 +90,12 @@ def _fill_batch(batch: worker_pb2.ChunkBatch, event: StreamBatch) -> None:
         batch.delta.CopyFrom(_delta(event.delta))
 
 
-def batch_size(batch: worker_pb2.ChunkBatch) -> int:
-    """The bytes of chunks and delta text a batch carries (what flow control counts)."""
-    size = sum(map(len, batch.chunks))
-    if batch.HasField("delta"):
-        delta = batch.delta
+def batch_size(event: StreamBatch) -> int:
+    """The bytes of chunks and delta text a batch carries (what flow control counts), read off
+    the batch itself (the message's repeated field would copy each chunk out again)."""
+    size = sum(map(len, event.chunks))
+    delta = event.delta
+    if delta:
         size += len(delta.content) + len(delta.reasoning)
         size += sum(len(f.arguments) for f in delta.tool_calls)
     return size
@@ -153,22 +154,27 @@ class StreamedTurn:
             deltas_only=request.deltas_only,
         )
 
-    def fill(self, event: StreamBatch | TurnResult, response: worker_pb2.GenerateResponse) -> bool:
-        """Writes the message of `event` into `response` (empty); False when the event is
-        held back for the next message."""
+    def fill(
+        self, event: StreamBatch | TurnResult, response: worker_pb2.GenerateResponse
+    ) -> int | None:
+        """Writes the message of `event` into `response` (empty); the bytes of chunks and delta
+        text it carries (`batch_size`), or None when the event is held back for the next
+        message."""
         if isinstance(event, TurnResult):
             if self._metrics is not None:
                 self._metrics.finished(event, stream=True)
             response.record.CopyFrom(turn_record(event))
-            if self._last is not None:
-                _fill_batch(response.chunks, self._last)
-            return True
+            last = self._last
+            if last is None:
+                return 0
+            _fill_batch(response.chunks, last)
+            return batch_size(last)
         if event.final and self._sent:
             self._last = event
-            return False
+            return None
         self._sent = True
         _fill_batch(response.chunks, event)
-        return True
+        return batch_size(event)
 
     def failed(self, err: RollgateError) -> None:
         """Logs and counts the turn's failure."""
@@ -190,7 +196,7 @@ async def generated(
         async with contextlib.aclosing(turn.events()) as events:
             async for event in events:
                 response = worker_pb2.GenerateResponse()
-                if turn.fill(event, response):
+                if turn.fill(event, response) is not None:
                     yield response
     except RollgateError as err:
         turn.failed(err)
