@@ -7,7 +7,8 @@ its turn stream runs) against the mock upstream in another process, `--clients` 
 mock's tokens `--interval-ms` apart (4: one chunk per read, as in the long-stream cell; 0:
 many per read) — CPU per chunk, split user / system. `--stage` stops the worker's path early to
 see what each layer costs: `raw` (the HTTP client's reads), `events` (+ SSE), `stream` (+ the
-runner: JSON, record, client view), `turn` (+ the TurnEvents the turn stream sends).
+runner: JSON, record, client view), `turn` (the whole turn on the
+worker's Turns stream, as a gateway runs it: + flow control and the TurnEvents it sends).
 
 Both count this process's CPU (`getrusage`), so the client side the tool plays (the gateway's
 ops, the reader of the turns) is included: compare runs of the same command before and after a
@@ -187,6 +188,11 @@ def _mock(tokens: int, interval_ms: float) -> Any:
         mock.wait()
 
 
+async def _drain(events: AsyncIterator[Any]) -> None:
+    async for _ in events:
+        pass
+
+
 async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
     """CPU µs per streamed chunk of a worker's turn against the mock upstream at `port`."""
     from protos import worker_pb2
@@ -194,9 +200,10 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
     from services.runtime.secret import Secret
     from services.worker.adapters import adapter_for
     from services.worker.metrics import WorkerMetrics
+    from services.worker.turn_streams import TurnStreams
     from services.worker.turns import StreamBatch, TurnRunner
     from services.worker.upstream import UpstreamClient
-    from services.worker.wire import StreamedTurn, batch_size, client_of
+    from services.worker.wire import client_of
 
     for _ in range(200):
         try:
@@ -233,13 +240,44 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
                     if isinstance(event, StreamBatch):
                         chunks += len(event.chunks)
                 return chunks
-            turn = StreamedTurn(runner, request, budget_s=60, metrics=metrics)
-            async for event in turn.events:
-                message = worker_pb2.TurnEvent(id=1)
-                if turn.fill(event, message.generated):
-                    message.size = batch_size(message.generated.chunks)
-                    chunks += len(message.generated.chunks.chunks)
-            return chunks
+            # The turn on the worker's Turns stream, as a gateway runs it (framed: events
+            # handed to `send`), the flow-control window the gateway gives.
+            nonlocal next_id
+            next_id += 1
+            ended = loop.create_future()
+            ends[next_id] = ended
+            start = worker_pb2.TurnStart(request=request, stream=True, window_bytes=256 * 1024)
+            ops.put_nowait(worker_pb2.TurnOps(ops=[worker_pb2.TurnOp(id=next_id, start=start)]))
+            return int(await ended)
+
+        # One Turns stream for every turn: ops in through a queue, events out through `send`.
+        ops: asyncio.Queue[worker_pb2.TurnOps] = asyncio.Queue()
+        ends: dict[int, asyncio.Future[int]] = {}
+        counted: dict[int, int] = {}
+        next_id = 0
+
+        async def requests() -> AsyncIterator[worker_pb2.TurnOps]:
+            while True:
+                yield await ops.get()
+
+        def send(message: worker_pb2.TurnEvents) -> None:
+            for event in message.events:
+                if event.HasField("generated"):
+                    counted[event.id] = counted.get(event.id, 0) + len(
+                        event.generated.chunks.chunks
+                    )
+                    if not event.generated.HasField("record"):
+                        continue
+                elif not event.error_json:
+                    continue
+                ended = ends.pop(event.id)
+                if event.error_json:
+                    ended.set_exception(RuntimeError(event.error_json.decode()))
+                else:
+                    ended.set_result(counted.pop(event.id, 0))
+
+        turn_streams = TurnStreams(runner, upstream_timeout_s=60, metrics=metrics)
+        serving = asyncio.ensure_future(_drain(turn_streams.serve(requests(), send=send)))
 
         for _ in range(3):  # warm-up
             await one()
@@ -248,6 +286,9 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
         for _ in range(max(1, streams // clients)):
             chunks += sum(await asyncio.gather(*(one() for _ in range(clients))))
         after = resource.getrusage(resource.RUSAGE_SELF)
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
         user = (after.ru_utime - before.ru_utime) / chunks * 1e6
         system = (after.ru_stime - before.ru_stime) / chunks * 1e6
         return f"{user + system:.1f} µs CPU per chunk (user {user:.1f}, system {system:.1f})"

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import socket
 from collections import deque
-from typing import Final
+from typing import Final, Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -55,6 +55,17 @@ class ConnectError(HttpError):
     def __init__(self, os_error: OSError) -> None:
         super().__init__(f"cannot connect to the upstream ({type(os_error).__name__})")
         self.os_error = os_error
+
+
+class BodySink(Protocol):
+    """Takes a response's body as the connection reads it (`Http1Response.consume`). Called
+    from the connection's read callback: it must not raise."""
+
+    def body(self, data: bytes) -> None:
+        """The body bytes of one read."""
+
+    def ended(self, error: HttpError | None) -> None:
+        """The body's end (None: read whole), or why it will not come; called once."""
 
 
 class _Connection(asyncio.Protocol):
@@ -203,6 +214,10 @@ class Http1Response:
         # Fails the answer and drops its connection at the request's deadline (one timer for
         # the head and the body, cancelled once the response is released or closed).
         self._timer: asyncio.TimerHandle | None = None
+        # Where the body goes as it is read, instead of waiting for `readany` (`consume`), and
+        # whether it was told the end.
+        self._sink: BodySink | None = None
+        self._sink_ended = False
 
     def _arm(self, deadline: float) -> None:
         self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
@@ -222,6 +237,22 @@ class Http1Response:
         """Returns once the status and headers are here."""
         while self.status == 0:
             await self._wait()
+
+    def consume(self, sink: BodySink | None) -> None:
+        """Hands the body to `sink` from the connection's read callback: what arrived already
+        at once, then each read's bytes as it comes, then the end (no task wakes per read).
+        None: the body waits for `readany` again (nothing more is told to the sink)."""
+        self._sink = sink
+        if sink is not None:
+            self._wake()
+
+    def pause_reading(self) -> None:
+        """Stops reading the connection (the sink's reader is full) until `resume_reading`."""
+        self._connection.pause()
+
+    def resume_reading(self) -> None:
+        """Reads the connection again."""
+        self._connection.resume()
 
     @property
     def reading_paused(self) -> bool:
@@ -303,9 +334,27 @@ class Http1Response:
             raise self._error
 
     def _wake(self) -> None:
+        if self._sink is not None:
+            self._hand_on(self._sink)
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _hand_on(self, sink: BodySink) -> None:
+        """What arrived to the sink, then the end once it came (the sink may close the
+        response or pause reading from its calls: this is entered again then)."""
+        if self._buffered:
+            data = (
+                self._buffered.popleft() if len(self._buffered) == 1 else b"".join(self._buffered)
+            )
+            self._buffered.clear()
+            self._size = 0
+            self._connection.resume()  # paused by _HIGH_WATER before the sink came
+            sink.body(data)
+        if self._sink is sink and not self._sink_ended and (self._eof or self._error is not None):
+            self._sink_ended = True
+            sink.ended(self._error)
 
     # Fed by the connection
 

@@ -32,8 +32,9 @@ from services.runtime.logs import get_logger
 from services.runtime.tasks import PerLoopTurn, cancel_and_wait
 from services.runtime.tracing import Span, TraceContext, Tracer
 from services.worker.metrics import WorkerMetrics
-from services.worker.turns import TurnRunner
-from services.worker.wire import StreamedTurn, batch_size, completed
+from services.worker.turn import TurnResult
+from services.worker.turns import StreamBatch, TurnRunner
+from services.worker.wire import StreamedTurn, completed
 
 log = get_logger(__name__)
 
@@ -115,6 +116,41 @@ class _Stream:
             self._direct.flush_now()  # what was sent before the end goes out before it
         self.ended = True
         self.ready.set()
+
+
+class _TurnEventsOut:
+    """A streamed turn's events as `TurnEvent`s on its stream, within its flow-control window:
+    an event past the window is held back (and the upstream's reading with it) until the
+    gateway's credit lets it go (`flush`)."""
+
+    __slots__ = ("_held", "_stream", "_streamed", "_turn")
+
+    def __init__(self, stream: _Stream, turn: _Turn, streamed: StreamedTurn) -> None:
+        self._stream = stream
+        self._turn = turn
+        self._streamed = streamed
+        self._held: list[tuple[worker_pb2.TurnEvent, int]] = []
+
+    def put(self, event: StreamBatch | TurnResult) -> bool:
+        message = worker_pb2.TurnEvent(id=self._turn.id)
+        size = self._streamed.fill(event, message.generated)
+        if size is None:
+            return True
+        if self._held or not self._turn.spend_now(size):
+            self._held.append((message, size))
+            return False
+        message.size = size
+        self._stream.send(message)
+        return True
+
+    async def flush(self) -> None:
+        held = self._held
+        while held:
+            message, size = held[0]
+            await self._turn.spend(size)
+            del held[0]
+            message.size = size
+            self._stream.send(message)
 
 
 class TurnStreams:
@@ -264,22 +300,13 @@ class TurnStreams:
             )
             stream.send(worker_pb2.TurnEvent(id=turn.id, completed=answer))
             return
-        # The runner's events straight into TurnEvents (no generator between, no copy).
+        # The runner's events straight into TurnEvents (no generator between, no copy): from
+        # the upstream connection's read callback for an http:// upstream.
         streamed = StreamedTurn(
             self._runner, start.request, budget_s=budget_s, metrics=self._metrics
         )
         try:
-            async with contextlib.aclosing(streamed.events):
-                async for event in streamed.events:
-                    message = worker_pb2.TurnEvent(id=turn.id)
-                    response = message.generated
-                    if not streamed.fill(event, response):
-                        continue
-                    size = batch_size(response.chunks) if response.HasField("chunks") else 0
-                    if not turn.spend_now(size):  # no coroutine while within the window
-                        await turn.spend(size)
-                    message.size = size
-                    stream.send(message)
+            await streamed.push(_TurnEventsOut(stream, turn, streamed))
         except RollgateError as err:
             streamed.failed(err)
             raise

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -17,6 +17,8 @@ from chatml.tokenizer import LocalTokenizer
 from services.runtime.errors import UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.adapters import UpstreamAdapter
+from services.worker.http1 import Http1Response, HttpError
+from services.worker.openai_compat import Translator
 from services.worker.turn import (
     AnswerDelta,
     TurnAccumulator,
@@ -30,8 +32,11 @@ from services.worker.upstream import (
     DONE,
     ClientRequest,
     RequestPolicy,
+    Response,
+    SseParser,
     UpstreamClient,
     UpstreamRequest,
+    body_failure,
     build_upstream_request,
     upstream_text,
 )
@@ -179,6 +184,200 @@ def _index_zero(choices: list[Any]) -> bool:
     return not choices or (isinstance(choices[0], dict) and choices[0].get("index", 0) == 0)
 
 
+class EventSink(Protocol):
+    """Takes a streamed turn's events as they come (`TurnRunner.push`)."""
+
+    def put(self, event: StreamBatch | TurnResult) -> bool:
+        """Takes `event`; False when the turn's window is used up: nothing more is read (the
+        upstream is held back) until `flush` returned."""
+
+    async def flush(self) -> None:
+        """Waits for the window to open and hands on what `put` held back."""
+
+
+class _StreamedAnswer:
+    """One streamed turn's answer as it is read, the same for both ways of reading it: each
+    read's SSE payloads into the accumulators, the client's chunks and one StreamBatch
+    (`read`); then its end (`end`: an abort's last chunk, the record)."""
+
+    __slots__ = (
+        "_clock",
+        "_deltas_only",
+        "_group",
+        "_runner",
+        "_translator",
+        "aborted",
+        "deadline",
+        "done",
+        "request",
+    )
+
+    def __init__(
+        self,
+        runner: TurnRunner,
+        request: UpstreamRequest,
+        *,
+        translator: Translator,
+        deadline: float,
+        deltas_only: bool,
+    ) -> None:
+        self._runner = runner
+        self.request = request
+        self._translator = translator
+        # The request's deadline (loop time): the upstream's answer is whole by then.
+        self.deadline = deadline
+        self._deltas_only = deltas_only
+        self._group = _Group(runner.adapter)
+        self._clock = _Clock()
+        # The upstream said [DONE] (or an abort ended the answer); an abort closed the answer.
+        self.done = False
+        self.aborted = False
+
+    def read(self, payloads: list[bytes]) -> StreamBatch | None:
+        """The batch of what one read brought (None when it brought nothing to hand on)."""
+        group = self._group
+        batch: list[bytes] = []
+        sampled_before = group.sampled_tokens()
+        mark = group.main.mark() if self._deltas_only else None
+        ask = self.request.ask
+        for payload in payloads:
+            if payload == DONE:
+                self.done = True
+                break
+            for chunk in self._translator.events(_parse_chunk(payload)):
+                group.read_chunk(chunk)
+                if group.main.output_seen:
+                    self._clock.mark_first_token()
+                if mark is not None:
+                    continue
+                view = client_chunk(chunk, ask)
+                if view is not None:
+                    batch.append(orjson.dumps(view))
+        tokens = group.sampled_tokens() - sampled_before
+        delta = group.main.delta_since(mark) if mark is not None else None
+        if batch or tokens or (delta is not None and delta) or self.done:
+            return StreamBatch(
+                chunks=batch,
+                output_tokens=tokens,
+                delta=delta,
+                final=self.done,
+                prompt_tokens=group.prompt_tokens(),
+            )
+        return None
+
+    def end(self) -> Iterator[StreamBatch | TurnResult]:
+        """Once the answer was read: an aborted answer's last batch, then the record; raises
+        UpstreamError when the answer broke off before its end."""
+        group = self._group
+        if self.aborted and not self.done and not group.finished():
+            group.abort()
+            yield StreamBatch(
+                chunks=[] if self._deltas_only else [orjson.dumps(_abort_chunk(group.main))],
+                output_tokens=0,
+                final=True,
+            )
+            self.done = True
+        if not self.done and not group.finished():
+            raise UpstreamError(
+                "the upstream ended its stream before the answer was complete",
+                code="upstream_broken_stream",
+            )
+        yield self._runner.record(group, self.request, self._clock)
+
+
+class _Pushed:
+    """An http:// upstream's answer read by its connection's read callback all the way to the
+    sink (`BodySink`): SSE, the answer's reading, `sink.put` — no task wakes per read. The
+    turn's task waits on one future, woken when the answer ended, failed, or when the turn's
+    window is used up (reading pauses until the task has flushed the sink). A failure in the
+    callback fails the turn and closes the response; it never reaches the event loop."""
+
+    __slots__ = ("_answer", "_error", "_held", "_over", "_parser", "_response", "_sink", "_waiter")
+
+    def __init__(self, response: Http1Response, answer: _StreamedAnswer, sink: EventSink) -> None:
+        self._response = response
+        self._answer = answer
+        self._sink = sink
+        self._parser = SseParser()
+        self._waiter: asyncio.Future[None] | None = None
+        # The sink held an event back (reading is paused); the answer is over (read to its
+        # end, failed, or closed): nothing more is taken; why it failed.
+        self._held = False
+        self._over = False
+        self._error: Exception | None = None
+
+    async def run(self) -> None:
+        """Returns once the answer was read to its end (and every event is with the sink)."""
+        response = self._response
+        loop = asyncio.get_running_loop()
+        response.consume(self)
+        try:
+            while True:
+                if self._held:
+                    self._held = False
+                    await self._sink.flush()
+                    if not self._over:
+                        response.resume_reading()
+                    continue
+                if self._error is not None:
+                    raise self._error
+                if self._over:
+                    return
+                waiter = self._waiter = loop.create_future()
+                await waiter
+        finally:
+            self._over = True  # cancelled: closing the response tells nothing more
+            response.consume(None)
+
+    # BodySink: called from the connection's read callback
+
+    def body(self, data: bytes) -> None:
+        if self._over:
+            return
+        try:
+            events = self._parser.feed(data)
+            if events:
+                self._take(events)
+        except Exception as err:
+            self._fail(err)
+
+    def ended(self, error: HttpError | None) -> None:
+        if self._over:
+            return
+        try:
+            if error is not None:
+                raise body_failure(error)
+            tail = self._parser.close()
+            if tail:
+                self._take(tail)
+            self._over = True
+            self._wake()
+        except Exception as err:
+            self._fail(err)
+
+    def _take(self, events: list[bytes]) -> None:
+        answer = self._answer
+        batch = answer.read(events)
+        if batch is not None and not self._sink.put(batch):
+            self._held = True
+            self._response.pause_reading()
+            self._wake()
+        if answer.done:
+            self._over = True
+            self._wake()
+
+    def _fail(self, error: Exception) -> None:
+        self._over = True
+        self._error = error
+        self._response.close()  # the upstream stops generating
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
 class TurnRunner:
     """Calls the upstream for one turn at a time per call, and counts the turns in flight."""
 
@@ -201,6 +400,11 @@ class TurnRunner:
         self._aborts: dict[str, set[_Abort]] = {}
         # Turns whose logprob count differed from their id count (flagged, never padded).
         self.length_mismatches = 0
+
+    @property
+    def adapter(self) -> UpstreamAdapter:
+        """The upstream kind's adapter."""
+        return self._adapter
 
     @property
     def policy(self) -> RequestPolicy:
@@ -243,7 +447,8 @@ class TurnRunner:
             encode=self._adapter.encode,
         )
 
-    def _record(self, group: _Group, request: UpstreamRequest, clock: _Clock) -> TurnResult:
+    def record(self, group: _Group, request: UpstreamRequest, clock: _Clock) -> TurnResult:
+        """The turn's record from its accumulators (retokenized when the upstream gave no ids)."""
         kind, timing = self._adapter.kind, clock.timing()
         results = {
             index: self._retokenized(
@@ -286,6 +491,35 @@ class TurnRunner:
             length_mismatch=len(ids) != len(result.output_logprobs),
         )
 
+    def _answer(
+        self, client: ClientRequest, *, budget_s: float, deltas_only: bool
+    ) -> _StreamedAnswer:
+        request = self._request(client, stream=True)
+        return _StreamedAnswer(
+            self,
+            request,
+            translator=self._adapter.translator(request.body, request.model),
+            deadline=asyncio.get_running_loop().time() + budget_s,
+            deltas_only=deltas_only,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _answering(self, answer: _StreamedAnswer, request_id: str) -> AsyncIterator[Response]:
+        """The upstream's answer to `answer`'s request, abortable under `request_id`: after an
+        abort (it closes the response) the read's failure ends the answer, which then says so."""
+        with self._abortable(request_id) as aborted:
+            async with self._upstream.post_chat(
+                answer.request.body, deadline=answer.deadline, url=self._url
+            ) as response:
+                # An abort closes the response: the pending read ends, no task per read.
+                aborted.response = response
+                try:
+                    yield response
+                except UpstreamError:
+                    if not aborted.tripped:
+                        raise
+            answer.aborted = aborted.tripped
+
     async def stream(
         self,
         client: ClientRequest,
@@ -303,68 +537,55 @@ class TurnRunner:
         `abort(request_id)` ends the upstream call early: the last chunk then says
         finish_reason "abort" and the record holds the tokens sampled so far.
         """
-        request = self._request(client, stream=True)
-        translator = self._adapter.translator(request.body, request.model)
-        deadline = asyncio.get_running_loop().time() + budget_s
-        group = _Group(self._adapter)
-        clock = _Clock()
-        done = False
+        answer = self._answer(client, budget_s=budget_s, deltas_only=deltas_only)
         self._in_flight += 1
         try:
-            with self._abortable(request_id) as aborted:
-                async with self._upstream.post_chat(
-                    request.body, deadline=deadline, url=self._url
-                ) as response:
-                    # An abort closes the response: the pending read ends, no task per read.
-                    aborted.response = response
-                    events = self._upstream.read_events(response, deadline=deadline)
-                    try:
-                        async for payloads in events:
-                            batch: list[bytes] = []
-                            sampled_before = group.sampled_tokens()
-                            mark = group.main.mark() if deltas_only else None
-                            for payload in payloads:
-                                if payload == DONE:
-                                    done = True
-                                    break
-                                for chunk in translator.events(_parse_chunk(payload)):
-                                    group.read_chunk(chunk)
-                                    if group.main.output_seen:
-                                        clock.mark_first_token()
-                                    if mark is not None:
-                                        continue
-                                    view = client_chunk(chunk, request.ask)
-                                    if view is not None:
-                                        batch.append(orjson.dumps(view))
-                            tokens = group.sampled_tokens() - sampled_before
-                            delta = group.main.delta_since(mark) if mark is not None else None
-                            if batch or tokens or (delta is not None and delta) or done:
-                                yield StreamBatch(
-                                    chunks=batch,
-                                    output_tokens=tokens,
-                                    delta=delta,
-                                    final=done,
-                                    prompt_tokens=group.prompt_tokens(),
-                                )
-                            if done:
-                                break
-                    except UpstreamError:
-                        if not aborted.tripped:
-                            raise
-                if aborted.tripped and not done and not group.finished():
-                    group.abort()
-                    yield StreamBatch(
-                        chunks=[] if deltas_only else [orjson.dumps(_abort_chunk(group.main))],
-                        output_tokens=0,
-                        final=True,
-                    )
-                    done = True
-            if not done and not group.finished():
-                raise UpstreamError(
-                    "the upstream ended its stream before the answer was complete",
-                    code="upstream_broken_stream",
-                )
-            yield self._record(group, request, clock)
+            async with self._answering(answer, request_id) as response:
+                events = self._upstream.read_events(response, deadline=answer.deadline)
+                async for payloads in events:
+                    batch = answer.read(payloads)
+                    if batch is not None:
+                        yield batch
+                    if answer.done:
+                        break
+            for event in answer.end():
+                yield event
+        finally:
+            self._in_flight -= 1
+
+    async def push(
+        self,
+        client: ClientRequest,
+        *,
+        budget_s: float,
+        sink: EventSink,
+        request_id: str = "",
+        deltas_only: bool = False,
+    ) -> None:
+        """The events `stream` yields, handed to `sink` as they come; raises RollgateError.
+
+        An `http://` upstream's answer is read by its connection's read callback all the way
+        to `sink.put` (no task wakes per read, no generator per read: the turn's task waits
+        for the answer's end, a failure, or the turn's window to open); an answer on aiohttp
+        (an `https://` upstream, a base URL with credentials) is read as `stream` reads it.
+        """
+        answer = self._answer(client, budget_s=budget_s, deltas_only=deltas_only)
+        self._in_flight += 1
+        try:
+            async with self._answering(answer, request_id) as response:
+                if isinstance(response, Http1Response):
+                    await _Pushed(response, answer, sink).run()
+                else:
+                    events = self._upstream.read_events(response, deadline=answer.deadline)
+                    async for payloads in events:
+                        batch = answer.read(payloads)
+                        if batch is not None and not sink.put(batch):
+                            await sink.flush()
+                        if answer.done:
+                            break
+            for event in answer.end():
+                if not sink.put(event):
+                    await sink.flush()
         finally:
             self._in_flight -= 1
 
@@ -386,7 +607,7 @@ class TurnRunner:
             body = translator.completion(answer)
             group.read_completion(body)
             clock.mark_first_token()
-            record = self._record(group, request, clock)
+            record = self.record(group, request, clock)
             return CompletedTurn(
                 body_json=orjson.dumps(client_completion(body, request.ask)), record=record
             )

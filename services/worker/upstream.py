@@ -518,6 +518,14 @@ class UpstreamClient:
                 timer.cancel()
 
 
+def body_failure(err: HttpError) -> RollgateError:
+    """What a streamed answer's body failing on the HTTP/1.1 client means for the turn: its
+    deadline passed (the request's timer), or the answer broke off."""
+    if isinstance(err, TimeoutError):
+        return _timed_out()
+    return _broken_off(err)
+
+
 def _timed_out() -> UpstreamTimeout:
     return UpstreamTimeout("the upstream did not finish its answer in time")
 

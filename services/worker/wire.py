@@ -19,7 +19,7 @@ from services.runtime.errors import RollgateError, UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.metrics import WorkerMetrics
 from services.worker.turn import AnswerDelta, TurnResult
-from services.worker.turns import StreamBatch, TurnRunner
+from services.worker.turns import EventSink, StreamBatch, TurnRunner
 from services.worker.upstream import ClientRequest, client_request
 
 log = get_logger(__name__)
@@ -90,11 +90,12 @@ def _fill_batch(batch: worker_pb2.ChunkBatch, event: StreamBatch) -> None:
         batch.delta.CopyFrom(_delta(event.delta))
 
 
-def batch_size(batch: worker_pb2.ChunkBatch) -> int:
-    """The bytes of chunks and delta text a batch carries (what flow control counts)."""
-    size = sum(map(len, batch.chunks))
-    if batch.HasField("delta"):
-        delta = batch.delta
+def batch_size(event: StreamBatch) -> int:
+    """The bytes of chunks and delta text a batch carries (what flow control counts), read off
+    the batch itself (the message's repeated field would copy each chunk out again)."""
+    size = sum(map(len, event.chunks))
+    delta = event.delta
+    if delta:
         size += len(delta.content) + len(delta.reasoning)
         size += sum(len(f.arguments) for f in delta.tool_calls)
     return size
@@ -110,12 +111,12 @@ def client_of(request: worker_pb2.GenerateRequest) -> ClientRequest:
 
 
 class StreamedTurn:
-    """One streamed turn's events (`events`, to iterate and close) as `GenerateResponse`s:
-    `fill` writes each into a message, holding the batch that ended the answer back to travel
-    with the record (one message) unless it is also the first — the first token is never
-    held back. A consumer builds its own message around the response (a `TurnEvent` of the
-    turn stream takes it in place: no copy per batch) and calls `failed` with a RollgateError
-    the events raise, before raising it on."""
+    """One streamed turn's events (`events()`, to iterate and close; or `push`, handed to a
+    sink as they come) as `GenerateResponse`s: `fill` writes each into a message, holding the
+    batch that ended the answer back to travel with the record (one message) unless it is also
+    the first — the first token is never held back. A consumer builds its own message around
+    the response (a `TurnEvent` of the turn stream takes it in place: no copy per batch) and
+    calls `failed` with a RollgateError the events raise, before raising it on."""
 
     def __init__(
         self,
@@ -125,33 +126,55 @@ class StreamedTurn:
         budget_s: float,
         metrics: WorkerMetrics | None,
     ) -> None:
-        self.events = runner.stream(
-            client_of(request),
-            budget_s=budget_s,
-            request_id=request.request_id,
-            deltas_only=request.deltas_only,
-        )
+        self._runner = runner
+        self._budget_s = budget_s
         self._request = request
         self._metrics = metrics
         self._sent = False
         self._last: StreamBatch | None = None
 
-    def fill(self, event: StreamBatch | TurnResult, response: worker_pb2.GenerateResponse) -> bool:
-        """Writes the message of `event` into `response` (empty); False when the event is
-        held back for the next message."""
+    def events(self) -> AsyncGenerator[StreamBatch | TurnResult, None]:
+        """The turn's events as they come (the upstream called as iteration starts)."""
+        request = self._request
+        return self._runner.stream(
+            client_of(request),
+            budget_s=self._budget_s,
+            request_id=request.request_id,
+            deltas_only=request.deltas_only,
+        )
+
+    async def push(self, sink: EventSink) -> None:
+        """Runs the turn, its events handed to `sink` (`TurnRunner.push`)."""
+        request = self._request
+        await self._runner.push(
+            client_of(request),
+            budget_s=self._budget_s,
+            sink=sink,
+            request_id=request.request_id,
+            deltas_only=request.deltas_only,
+        )
+
+    def fill(
+        self, event: StreamBatch | TurnResult, response: worker_pb2.GenerateResponse
+    ) -> int | None:
+        """Writes the message of `event` into `response` (empty); the bytes of chunks and delta
+        text it carries (`batch_size`), or None when the event is held back for the next
+        message."""
         if isinstance(event, TurnResult):
             if self._metrics is not None:
                 self._metrics.finished(event, stream=True)
             response.record.CopyFrom(turn_record(event))
-            if self._last is not None:
-                _fill_batch(response.chunks, self._last)
-            return True
+            last = self._last
+            if last is None:
+                return 0
+            _fill_batch(response.chunks, last)
+            return batch_size(last)
         if event.final and self._sent:
             self._last = event
-            return False
+            return None
         self._sent = True
         _fill_batch(response.chunks, event)
-        return True
+        return batch_size(event)
 
     def failed(self, err: RollgateError) -> None:
         """Logs and counts the turn's failure."""
@@ -170,10 +193,10 @@ async def generated(
     """A streamed turn's messages; raises RollgateError (logged and counted)."""
     turn = StreamedTurn(runner, request, budget_s=budget_s, metrics=metrics)
     try:
-        async with contextlib.aclosing(turn.events):
-            async for event in turn.events:
+        async with contextlib.aclosing(turn.events()) as events:
+            async for event in events:
                 response = worker_pb2.GenerateResponse()
-                if turn.fill(event, response):
+                if turn.fill(event, response) is not None:
                     yield response
     except RollgateError as err:
         turn.failed(err)
