@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import faulthandler
 import os
+import sys
 import threading
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from types import FrameType
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -53,8 +59,50 @@ def _hung(nodeid: str) -> None:
     phase = _running.get("phase", "?")
     os.write(fd, f"\n+++ {nodeid} hung in {phase} for {HARD_DEADLINE_S} s +++\n".encode())
     faulthandler.dump_traceback(file=fd, all_threads=True)
+    # CI keeps the end of the output: what is waiting, innermost frame last, goes there.
+    with contextlib.suppress(Exception):
+        os.write(fd, _waiting_now().encode(errors="replace"))
     os.write(fd, f"+++ {nodeid} hung in {phase} for {HARD_DEADLINE_S} s: run ended +++\n".encode())
     os._exit(3)
+
+
+def _waiting_now(main_frames: int = 12, tasks: int = 20, frames: int = 6) -> str:
+    """The main thread's innermost frames, then the asyncio tasks not done and what each
+    awaits; innermost frame last."""
+    lines = ["--- the main thread (innermost frame last) ---"]
+    main = sys._current_frames().get(threading.main_thread().ident or 0)
+    if main is not None:
+        lines += traceback.format_list(traceback.extract_stack(main)[-main_frames:])
+    lines.append("--- asyncio tasks not done (innermost frame last) ---")
+    pending = [t for t in list(asyncio.tasks._all_tasks) if not t.done()]  # type: ignore[attr-defined]
+    for task in pending[:tasks]:
+        lines.append(f"task {task.get_name()}:")
+        stack, awaited = _await_chain(task.get_coro())
+        lines += traceback.format_list(
+            traceback.StackSummary.extract((frame, frame.f_lineno) for frame in stack[-frames:])
+        )
+        lines.append(f"    awaiting {awaited!r:.300}")
+    if len(pending) > tasks:
+        lines.append(f"... and {len(pending) - tasks} more tasks")
+    return "\n".join(line.rstrip("\n") for line in lines) + "\n"
+
+
+def _await_chain(awaitable: Any) -> tuple[list[FrameType], Any]:
+    """The frames of a suspended coroutine down the chain of what each awaits (a task's own
+    stack stops at its coroutine's frame), and the awaitable at the bottom (a future)."""
+    frames: list[FrameType] = []
+    for _ in range(100):
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        frame = frame or getattr(awaitable, "ag_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        awaitable = (
+            getattr(awaitable, "cr_await", None)
+            or getattr(awaitable, "gi_yieldfrom", None)
+            or getattr(awaitable, "ag_await", None)
+        )
+    return frames, awaitable
 
 
 @pytest.hookimpl(hookwrapper=True)
