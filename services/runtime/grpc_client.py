@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from services.runtime.grpc_poller import unblock_grpc_poller
 from services.runtime.grpc_server import MAX_MESSAGE_BYTES
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
@@ -40,7 +41,9 @@ _MULTI_TARGET_OPTIONS = (
 def open_channel(address: str) -> grpc.aio.Channel:
     """An insecure channel to `address` (host:port) with rollgate's options."""
     options = CHANNEL_OPTIONS + (_MULTI_TARGET_OPTIONS if "," in address else ())
-    return grpc.aio.insecure_channel(address, options=options)
+    channel = grpc.aio.insecure_channel(address, options=options)
+    unblock_grpc_poller()
+    return channel
 
 
 class ChannelPool:

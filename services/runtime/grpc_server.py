@@ -25,6 +25,7 @@ from services.runtime.errors import (
     check_identifier,
     state_store_unavailable,
 )
+from services.runtime.grpc_poller import unblock_grpc_poller
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
@@ -246,6 +247,7 @@ class GrpcServer:
         self.server = grpc.aio.server(
             interceptors=[*spec.interceptors, self._calls], options=SERVER_OPTIONS
         )
+        unblock_grpc_poller()
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0

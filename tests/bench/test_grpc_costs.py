@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import grpc
+from services.runtime.grpc_client import open_channel
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -31,7 +31,7 @@ async def test_every_shape_answers_every_turn_on_a_real_server_process() -> None
         assert server.stdout is not None
         line = await asyncio.wait_for(server.stdout.readline(), timeout=30)
         port, socket_port = (int(p) for p in line.split())
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        channel = open_channel(f"127.0.0.1:{port}")
         try:
             for shape in ("bidi-2", "socket-1", "socket-2"):
                 result = await asyncio.wait_for(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 import orjson
 import pytest
 
@@ -14,6 +13,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from rollgate.trajectory import decode_trajectory
 from schema.packing import unpack_float32, unpack_int32
 from services.gateway.relay import Done, Event
+from services.runtime.grpc_client import open_channel
 from tests.dataproxy.test_samples_group import (
     RPC_TIMEOUT_S,
     GroupStack,
@@ -34,7 +34,7 @@ async def slow_stack(redis_url: str, key_prefix: str) -> AsyncIterator[GroupStac
 
 
 async def _abort(stack: GroupStack, request_id: str) -> bool:
-    async with grpc.aio.insecure_channel(stack.worker_address) as channel:
+    async with open_channel(stack.worker_address) as channel:
         answer = await worker_pb2_grpc.WorkerStub(channel).Abort(
             worker_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S
         )

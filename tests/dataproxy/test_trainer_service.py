@@ -22,6 +22,7 @@ from services.dataproxy.redis_keys import RedisKeys
 from services.dataproxy.settings import DataProxySettings
 from services.dataproxy.trainer_servicer import TrainerServicer
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory, encode_trajectory
+from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest
 from services.runtime.secret import Secret
 from tests.harness.inprocess import serving_trainer
@@ -177,7 +178,7 @@ async def test_on_joined_is_called_once_the_group_exists_so_nothing_after_is_mis
 
 
 async def test_calls_without_a_key_are_refused_with_an_explanation(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(stack.address) as channel:
+    async with open_channel(stack.address) as channel:
         stub = trainer_pb2_grpc.TrainerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.GetStats(trainer_pb2.GetStatsRequest(), timeout=5)

@@ -22,6 +22,7 @@ from rollgate.stack import Stack
 from rollgate.trainer_client import TrainerClient, TrainerError
 from services.gateway.app import build_app
 from services.gateway.settings import GatewaySettings
+from services.runtime.grpc_client import open_channel
 from services.runtime.secret import Secret
 from tests.harness.processes import log_level_env, stack_config
 
@@ -387,7 +388,7 @@ async def test_the_keys_service_mints_nothing_for_a_caller_without_an_admin_key(
         assert status == 200, trainer
         status, answer = await call(http, "POST", f"{gw1}/rl/keys", trainer["api_key"], {})
         assert status == 401 and answer["error"]["code"] == "admin_key_required"
-    async with grpc.aio.insecure_channel(keys_stack.trainer_address) as channel:
+    async with open_channel(keys_stack.trainer_address) as channel:
         stub = keys_pb2_grpc.KeysStub(channel)
         for metadata in ((), (("authorization", f"Bearer {trainer['api_key']}"),)):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
