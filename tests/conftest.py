@@ -11,6 +11,7 @@ import threading
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -67,9 +68,10 @@ def _hung(nodeid: str) -> None:
 
 
 def _waiting_now(main_frames: int = 12, tasks: int = 20, frames: int = 6) -> str:
-    """The main thread's innermost frames, then the asyncio tasks not done and what each
-    awaits; innermost frame last."""
-    lines = ["--- the main thread (innermost frame last) ---"]
+    """Where each thread waits in the kernel, the main thread's innermost frames, then the
+    asyncio tasks not done and what each awaits; innermost frame last."""
+    lines = ["--- threads: where each waits in the kernel ---", _kernel_waits()]
+    lines.append("--- the main thread (innermost frame last) ---")
     main = sys._current_frames().get(threading.main_thread().ident or 0)
     if main is not None:
         lines += traceback.format_list(traceback.extract_stack(main)[-main_frames:])
@@ -85,6 +87,17 @@ def _waiting_now(main_frames: int = 12, tasks: int = 20, frames: int = 6) -> str
     if len(pending) > tasks:
         lines.append(f"... and {len(pending) - tasks} more tasks")
     return "\n".join(line.rstrip("\n") for line in lines) + "\n"
+
+
+def _kernel_waits() -> str:
+    """Each thread's name and kernel wait channel (`sock_alloc_send_pskb`: blocked writing to
+    a full socket, as grpc.aio's poller does: services/runtime/grpc_poller.py)."""
+    waits = []
+    for task in sorted(Path("/proc/self/task").iterdir(), key=lambda path: int(path.name)):
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            waits.append(f"{name}:{(task / 'wchan').read_text().strip() or '-'}")
+    return " ".join(waits)
 
 
 def _await_chain(awaitable: Any) -> tuple[list[FrameType], Any]:

@@ -90,6 +90,10 @@ def test_the_end_of_the_output_shows_what_an_async_hang_waits_for(tmp_path: Path
     )
     end = "\n".join(tail[-60:])
     assert "asyncio tasks not done" in end
+    # every thread's kernel wait (a poller blocked writing shows `sock_alloc_send_pskb`)
+    assert "--- threads: where each waits in the kernel ---" in end
+    kernel = end[end.index("where each waits in the kernel") :].splitlines()[1]
+    assert len(kernel.split()) >= 1 and all(":" in word for word in kernel.split())
     assert "wait_for_what_never_comes" in end
     assert "await event.wait()" in end
     main = end[end.index("--- the main thread") : end.index("asyncio tasks not done")]
