@@ -17,6 +17,7 @@ COPY protos ./protos
 COPY schema ./schema
 COPY stackconfig ./stackconfig
 COPY chatml ./chatml
+COPY grpcpoller ./grpcpoller
 COPY services ./services
 COPY rollgate ./rollgate
 RUN pip wheel --wheel-dir /wheels .

@@ -53,7 +53,7 @@ test-engine: $(STAMP) $(ENGINE_STAMP)  ## rollgate in front of a real vLLM on a 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy services rollgate schema stackconfig chatml
+	$(BIN)/mypy services rollgate schema stackconfig chatml grpcpoller
 
 protos: $(STAMP)  ## regenerate the gRPC stubs after editing protos/*.proto
 	PYTHON=$(BIN)/python bash protos/generate.sh

@@ -10,6 +10,7 @@ from typing import Any, cast
 import grpc
 import orjson
 
+from grpcpoller import unblock_grpc_poller
 from protos import trainer_pb2, trainer_pb2_grpc
 from rollgate.trajectory import Trajectory, decode_trajectory
 
@@ -98,6 +99,8 @@ class TrainerClient:
 
     async def __aenter__(self) -> TrainerClient:
         self._channel = grpc.aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+        # A trainer busy between pulls must neither slow grpc.aio down nor hang at its exit.
+        unblock_grpc_poller()
         stub = trainer_pb2_grpc.TrainerStub(self._channel)
         self._stub = cast("trainer_pb2_grpc.TrainerAsyncStub", stub)
         return self

@@ -91,7 +91,7 @@ def _waiting_now(main_frames: int = 12, tasks: int = 20, frames: int = 6) -> str
 
 def _kernel_waits() -> str:
     """Each thread's name and kernel wait channel (`sock_alloc_send_pskb`: blocked writing to
-    a full socket, as grpc.aio's poller does: services/runtime/grpc_poller.py)."""
+    a full socket, as grpc.aio's poller does: grpcpoller/)."""
     waits = []
     for task in sorted(Path("/proc/self/task").iterdir(), key=lambda path: int(path.name)):
         with contextlib.suppress(OSError):

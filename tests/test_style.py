@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Our top-level packages, and what each may import of the others (STYLE.md, dependency
 # direction; docs/internals.md, Layout). `services` is refined per service below.
-PACKAGES = ("rollgate", "services", "protos", "schema", "stackconfig", "chatml")
+PACKAGES = ("rollgate", "services", "protos", "schema", "stackconfig", "chatml", "grpcpoller")
 # The shared packages both sides may import: pure, importing nothing of ours.
-SHARED = ("protos", "schema", "stackconfig", "chatml")
+SHARED = ("protos", "schema", "stackconfig", "chatml", "grpcpoller")
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:

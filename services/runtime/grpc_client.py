@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from services.runtime.grpc_poller import unblock_grpc_poller
+from grpcpoller import unblock_grpc_poller
 from services.runtime.grpc_server import MAX_MESSAGE_BYTES
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (

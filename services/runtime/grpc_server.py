@@ -17,6 +17,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
+from grpcpoller import unblock_grpc_poller
 from services.runtime.errors import (
     InternalError,
     RollgateError,
@@ -25,7 +26,6 @@ from services.runtime.errors import (
     check_identifier,
     state_store_unavailable,
 )
-from services.runtime.grpc_poller import unblock_grpc_poller
 from services.runtime.logs import get_logger
 
 log = get_logger(__name__)

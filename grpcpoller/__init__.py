@@ -12,6 +12,10 @@ only when the buffer is full, that is when hundreds of wake-ups are pending, eac
 the whole queue: no completion waits for a dropped byte. Newer grpcio writes non-blocking
 itself; this does the same from outside, through the poller thread's target (its owner) and
 the sockets it holds.
+
+A shared package (docs/internals.md, *Layout*): the services' channels and servers need it, and
+so does the TrainerClient in a trainer's process (a trainer computing while trajectories
+stream in is the burst; a training script that never exits, the hang).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from rollgate.trainer_client import TrainerClient
 from services.runtime.grpc_client import open_channel
 
 CALLS = 1000
@@ -40,8 +41,13 @@ def _busy_loop() -> bool:
     return False
 
 
-async def _burst(address: str, unblock: bool) -> dict[str, object]:
-    channel = open_channel(address) if unblock else grpc.aio.insecure_channel(address)
+async def _burst(address: str, how: str) -> dict[str, object]:
+    if how == "--trainer-client":
+        # The TrainerClient's channel (the poller is one per process: the burst's channel,
+        # opened after it, shares it).
+        async with TrainerClient(address, "unused"):
+            return await _burst(address, "")
+    channel = open_channel(address) if how == "--unblock" else grpc.aio.insecure_channel(address)
     async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -62,7 +68,8 @@ def main() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        result = asyncio.run(_burst(f"127.0.0.1:{port}", unblock=sys.argv[1:] == ["--unblock"]))
+        how = sys.argv[1] if sys.argv[1:] else ""
+        result = asyncio.run(_burst(f"127.0.0.1:{port}", how))
     finally:
         server.stop(None)
     print(json.dumps(result))

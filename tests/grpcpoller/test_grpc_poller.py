@@ -1,6 +1,6 @@
 """grpc.aio's poller thread does not block on a burst of completions once our channel factory
-ran (services/runtime/grpc_poller.py); without it, it does (grpcio 1.85) — which is what can
-hang grpc.aio's shutdown, and with it a test's teardown or a stopping service."""
+or the TrainerClient ran (grpcpoller/); without them it does (grpcio 1.85) — which is what can
+hang grpc.aio's shutdown, and with it a test's teardown, a stopping service or a trainer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _burst(*args: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.grpc_burst", *args],
+        [sys.executable, "-m", "tests.grpcpoller.grpc_burst", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -29,7 +29,11 @@ def test_a_burst_does_not_block_the_poller_behind_our_channels() -> None:
     assert _burst("--unblock") == {"blocked": False, "answered": 1000}
 
 
+def test_a_burst_does_not_block_the_poller_in_a_trainer_process() -> None:
+    assert _burst("--trainer-client") == {"blocked": False, "answered": 1000}
+
+
 def test_grpc_alone_blocks_its_poller_on_the_same_burst() -> None:
     # The reason for the module: should a grpcio upgrade stop blocking, this fails and
-    # services/runtime/grpc_poller.py can go.
+    # grpcpoller/ can go.
     assert _burst() == {"blocked": True, "answered": 1000}
