@@ -28,7 +28,7 @@ CALLS = 600
 BUSY_S = 5.0
 
 
-class HeldHealth(health.HealthServicer):
+class HeldHealth(health.HealthServicer):  # type: ignore[misc]  # untyped grpc_health
     """Answers each Check once `release` is set; counts the calls that arrived."""
 
     def __init__(self) -> None:
