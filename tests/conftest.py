@@ -92,8 +92,11 @@ def _waiting_now(main_frames: int = 12, tasks: int = 20, frames: int = 6) -> str
 def _kernel_waits() -> str:
     """Each thread's name and kernel wait channel (`sock_alloc_send_pskb`: blocked writing to
     a full socket, as grpc.aio's poller does: grpcpoller/)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return "(no /proc here)"
     waits = []
-    for task in sorted(Path("/proc/self/task").iterdir(), key=lambda path: int(path.name)):
+    for task in sorted(tasks.iterdir(), key=lambda path: int(path.name)):
         with contextlib.suppress(OSError):
             name = (task / "comm").read_text().strip()
             waits.append(f"{name}:{(task / 'wchan').read_text().strip() or '-'}")
