@@ -221,6 +221,11 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
         )
         request = worker_pb2.GenerateRequest(body_json=body, request_id="micro")
         loop = asyncio.get_running_loop()
+        # One Turns stream for every turn: ops in through a queue, events out through `send`.
+        ops: asyncio.Queue[worker_pb2.TurnOps] = asyncio.Queue()
+        ends: dict[int, asyncio.Future[int]] = {}
+        counted: dict[int, int] = {}
+        next_id = 0
 
         async def one() -> int:
             chunks = 0
@@ -249,12 +254,6 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
             start = worker_pb2.TurnStart(request=request, stream=True, window_bytes=256 * 1024)
             ops.put_nowait(worker_pb2.TurnOps(ops=[worker_pb2.TurnOp(id=next_id, start=start)]))
             return int(await ended)
-
-        # One Turns stream for every turn: ops in through a queue, events out through `send`.
-        ops: asyncio.Queue[worker_pb2.TurnOps] = asyncio.Queue()
-        ends: dict[int, asyncio.Future[int]] = {}
-        counted: dict[int, int] = {}
-        next_id = 0
 
         async def requests() -> AsyncIterator[worker_pb2.TurnOps]:
             while True:
