@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 
-from rollgate.mock_llm import MockLLM, token_id, tokenize
+from rollgate.mock_llm import MockLLM, render_prompt, token_id, tokenize
+from rollgate.mock_llm.plan import prompt_token_ids
 from services.worker.settings import WorkerSettings
 
 BASE = {"ROLLGATE_UPSTREAM_BASE_URL": "http://127.0.0.1:8000"}
@@ -69,6 +72,27 @@ def test_mock_tokenizer_is_deterministic_and_lossless() -> None:
     assert "".join(tokenize(text)) == text
     assert [token_id(p) for p in tokenize(text)] == [token_id(p) for p in tokenize(text)]
     assert all(100 <= token_id(p) < 50_100 for p in tokenize(text))
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "  lead and trail  \n"},
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": [{"type": "text", "text": "a\tb"}, "x"]},
+            "not a message",
+            {"role": "tool", "content": None},
+            {"content": "no role\n\n"},
+        ],
+        [],
+    ],
+)
+def test_the_mocks_cached_prompt_ids_are_the_whole_prompts(messages: list[Any]) -> None:
+    expected = [token_id(p) for p in tokenize(render_prompt(messages))]
+    assert prompt_token_ids(messages) == expected
+    assert prompt_token_ids(messages) == expected  # and again, from the cache
 
 
 async def test_the_openai_sdk_streams_from_the_mock() -> None:
