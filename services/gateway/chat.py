@@ -50,7 +50,8 @@ def parse_chat_body(raw: bytes) -> ChatCall:
         raise InvalidRequest(
             "the request body is empty: send a JSON object with model and messages"
         )
-    body: Any = load_json(raw)
+    # Its depth is checked by split_body's encoding, which every chat turn does next.
+    body: Any = load_json(raw, check_depth=False)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     messages = body.get("messages")

@@ -16,8 +16,18 @@ MAX_JSON_DEPTH = 128
 _ORJSON_DUMPS_DEPTH = 254
 
 
-def load_json(raw: bytes | str, *, what: str = "the request body") -> Any:
-    """`raw` parsed; InvalidRequest saying what is wrong (never echoing the input)."""
+# The lists `dump_json` wraps a value in: orjson then refuses exactly what is too deep.
+_PAD = _ORJSON_DUMPS_DEPTH - MAX_JSON_DEPTH
+
+
+def load_json(
+    raw: bytes | str, *, what: str = "the request body", check_depth: bool = True
+) -> Any:
+    """`raw` parsed; InvalidRequest saying what is wrong (never echoing the input).
+
+    `check_depth=False` leaves the depth limit to the caller, which must encode the value (or
+    every part of it) with `dump_json` before it goes anywhere: a body the relay re-encodes
+    anyway is then checked by that one encoding instead of a second one here."""
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
@@ -26,6 +36,8 @@ def load_json(raw: bytes | str, *, what: str = "the request body") -> Any:
         raise InvalidRequest(f"{what} is not valid JSON: {err}", code="invalid_json") from None
     # Counting brackets is cheap and bounds the depth; only bodies that could be too deep pay
     # for the exact check (one orjson encoding).
+    if not check_depth:
+        return value
     brackets = (
         raw.count(b"[") + raw.count(b"{")
         if isinstance(raw, bytes)
@@ -40,6 +52,22 @@ def load_json(raw: bytes | str, *, what: str = "the request body") -> Any:
         except orjson.JSONEncodeError:
             raise _too_deep(what) from None
     return value
+
+
+def dump_json(value: Any, *, what: str = "the request body") -> bytes:
+    """`value` as JSON, or InvalidRequest when it is nested more than MAX_JSON_DEPTH levels:
+    encoded inside `_PAD` lists, where orjson's own limit falls exactly there, then cut out
+    (one copy of the bytes instead of a second encoding)."""
+    probe: Any = value
+    for _ in range(_PAD):
+        probe = [probe]
+    try:
+        wrapped = orjson.dumps(probe)
+    except orjson.JSONEncodeError as err:
+        if "ecursion" in str(err):
+            raise _too_deep(what) from None
+        raise
+    return wrapped[_PAD:-_PAD]
 
 
 def _too_deep(what: str) -> InvalidRequest:

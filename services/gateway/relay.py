@@ -27,6 +27,7 @@ import orjson
 
 from protos import common_pb2, worker_pb2
 from services.gateway.header_mode import TurnTags
+from services.gateway.json_body import dump_json
 from services.gateway.ledger import Admitted, LedgerClient, Recorded
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
@@ -61,11 +62,13 @@ RECORDED_FIELDS = ("tools", "messages")
 def split_body(body: Mapping[str, Any]) -> tuple[bytes, bytes]:
     """The recorded part `{"tools"?, "messages"}` (tools first: the next turn's request then
     extends this one's bytes, and the dataproxy stores the shared prefix once) and the other
-    fields, each as JSON."""
+    fields, each as JSON; InvalidRequest when the body is nested too deep (each part is as
+    deep as the body's deepest field in it: a body read with `check_depth=False` is checked
+    here, by the encoding the relay needs anyway)."""
     recorded: dict[str, Any] = {"tools": body["tools"]} if "tools" in body else {}
     recorded["messages"] = body["messages"]
     params = {k: v for k, v in body.items() if k not in RECORDED_FIELDS}
-    return orjson.dumps(recorded), orjson.dumps(params)
+    return dump_json(recorded), dump_json(params)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

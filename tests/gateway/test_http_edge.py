@@ -9,12 +9,13 @@ import gzip
 import logging
 import zlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import pytest
 
 from services.gateway.app import GatewayServer, build_app
-from services.gateway.json_body import MAX_JSON_DEPTH, load_json
+from services.gateway.json_body import MAX_JSON_DEPTH, dump_json, load_json
 from services.runtime.errors import MAX_IDENTIFIER_CHARS, InvalidRequest
 from tests.gateway.conftest import Gateway, gateway_settings
 
@@ -346,6 +347,52 @@ async def test_deeply_nested_json_is_400_naming_the_depth(
             assert resp.status == 400, depth
             error = (await resp.json())["error"]
         assert error["code"] == "json_too_deep" and str(MAX_JSON_DEPTH) in error["message"]
+
+
+@pytest.mark.parametrize("field", ["messages", "response_format"])
+async def test_chat_checks_the_depth_by_the_encoding_it_relays(
+    gateway_without_backends: Gateway, field: str
+) -> None:
+    """A chat body skips load_json's own check: split_body's encoding does it, for the
+    recorded part and the other fields alike, to the same limit."""
+
+    def body(depth: int) -> bytes:
+        if field == "messages":
+            # The body's object, `messages` and the message's object are three levels.
+            lists = depth - 3
+            nested = b"[" * lists + b"]" * lists
+            content = b'{"role": "user", "content": ' + nested + b"}"
+            return b'{"model": "m", "messages": [' + content + b"]}"
+        lists = depth - 1
+        nested = b"[" * lists + b"]" * lists
+        return b'{"model": "m", "messages": [{"role": "user"}], "response_format": ' + nested + b"}"
+
+    for depth, status, code in (
+        (MAX_JSON_DEPTH + 1, 400, "json_too_deep"),
+        (MAX_JSON_DEPTH, 503, "dataproxy_unavailable"),  # accepted: the absent ledger next
+    ):
+        async with gateway_without_backends.http.post(
+            gateway_without_backends.url + "/v1/chat/completions",
+            data=body(depth),
+            headers={"Authorization": "Bearer " + SESSION.decode()},
+        ) as resp:
+            assert resp.status == status, depth
+            error = (await resp.json())["error"]
+        assert error["code"] == code, depth
+        if status == 400:
+            assert str(MAX_JSON_DEPTH) in error["message"]
+
+
+def test_dump_json_is_orjsons_encoding_within_the_depth_limit() -> None:
+    value = {"a": [1, 2.5, "x", None, True, {"b": []}], "ü": "\u2028"}
+    assert dump_json(value) == orjson.dumps(value)
+    ok: Any = {}
+    for _ in range(MAX_JSON_DEPTH - 1):
+        ok = [ok]
+    assert dump_json(ok) == orjson.dumps(ok)
+    with pytest.raises(InvalidRequest, match="nested more than") as caught:
+        dump_json([ok], what="the frame")
+    assert caught.value.code == "json_too_deep" and "the frame" in str(caught.value)
 
 
 def test_load_json_takes_exactly_the_depth_limit() -> None:
