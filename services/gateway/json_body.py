@@ -20,9 +20,7 @@ _ORJSON_DUMPS_DEPTH = 254
 _PAD = _ORJSON_DUMPS_DEPTH - MAX_JSON_DEPTH
 
 
-def load_json(
-    raw: bytes | str, *, what: str = "the request body", check_depth: bool = True
-) -> Any:
+def load_json(raw: bytes | str, *, what: str = "the request body", check_depth: bool = True) -> Any:
     """`raw` parsed; InvalidRequest saying what is wrong (never echoing the input).
 
     `check_depth=False` leaves the depth limit to the caller, which must encode the value (or
