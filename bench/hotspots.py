@@ -111,7 +111,15 @@ def _cprofile_root(real: Path, tmp: Path, kind: str, stats: Path) -> str:
     bench/cprofile_run.py (the other services as usual): its packages are links to `real`."""
     root = tmp / "cprofile-root"
     (root / ".venv" / "bin").mkdir(parents=True)
-    for package in ("services", "protos", "schema", "stackconfig", "chatml", "rollgate"):
+    for package in (
+        "services",
+        "protos",
+        "schema",
+        "stackconfig",
+        "chatml",
+        "grpcpoller",
+        "rollgate",
+    ):
         (root / package).symlink_to(real / package)
     python = real / ".venv" / "bin" / "python"
     runner = Path(__file__).resolve().parent / "cprofile_run.py"

@@ -50,7 +50,15 @@ def test_the_shim_profiles_only_the_chosen_service(tmp_path: Path) -> None:
     real = tmp_path / "real"
     (real / ".venv" / "bin").mkdir(parents=True)
     (real / ".venv" / "bin" / "python").symlink_to(sys.executable)
-    for package in ("services", "protos", "schema", "stackconfig", "chatml", "rollgate"):
+    for package in (
+        "services",
+        "protos",
+        "schema",
+        "stackconfig",
+        "chatml",
+        "grpcpoller",
+        "rollgate",
+    ):
         (real / package).mkdir()
     stats = tmp_path / "out.prof"
     root = Path(hotspots._cprofile_root(real, tmp_path, "dataproxy", stats))
