@@ -34,6 +34,8 @@ import run
 
 RESULTS = run.RESULTS
 PROFILED = ("gateway", "dataproxy", "worker")
+# The checkout's top-level packages the services import (the shim checkout links each).
+PACKAGES = ("services", "protos", "schema", "stackconfig", "chatml", "grpcpoller", "rollgate")
 
 # (label, substring of a frame's file path); the first that matches the leaf frame names it.
 AREAS = (
@@ -111,15 +113,7 @@ def _cprofile_root(real: Path, tmp: Path, kind: str, stats: Path) -> str:
     bench/cprofile_run.py (the other services as usual): its packages are links to `real`."""
     root = tmp / "cprofile-root"
     (root / ".venv" / "bin").mkdir(parents=True)
-    for package in (
-        "services",
-        "protos",
-        "schema",
-        "stackconfig",
-        "chatml",
-        "grpcpoller",
-        "rollgate",
-    ):
+    for package in PACKAGES:
         (root / package).symlink_to(real / package)
     python = real / ".venv" / "bin" / "python"
     runner = Path(__file__).resolve().parent / "cprofile_run.py"

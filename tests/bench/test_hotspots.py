@@ -50,15 +50,7 @@ def test_the_shim_profiles_only_the_chosen_service(tmp_path: Path) -> None:
     real = tmp_path / "real"
     (real / ".venv" / "bin").mkdir(parents=True)
     (real / ".venv" / "bin" / "python").symlink_to(sys.executable)
-    for package in (
-        "services",
-        "protos",
-        "schema",
-        "stackconfig",
-        "chatml",
-        "grpcpoller",
-        "rollgate",
-    ):
+    for package in hotspots.PACKAGES:
         (real / package).mkdir()
     stats = tmp_path / "out.prof"
     root = Path(hotspots._cprofile_root(real, tmp_path, "dataproxy", stats))
@@ -83,3 +75,10 @@ def test_another_checkout_runs_with_its_venv_else_this_interpreter(tmp_path: Pat
     own.parent.mkdir(parents=True)
     own.write_text("")
     assert run._python_of(bare) == own
+
+
+def test_the_shim_links_every_package_of_the_checkout() -> None:
+    """A package the services import but the shim does not link would come from elsewhere."""
+    from tests.test_style import PACKAGES
+
+    assert sorted(_load("hotspots").PACKAGES) == sorted(PACKAGES)
