@@ -78,7 +78,7 @@ def prompt_token_ids(messages: Sequence[Any]) -> list[int]:
     return ids
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=256)  # the recent messages of a few conversations
 def _segment_ids(segment: str) -> tuple[int, ...]:
     return tuple(token_id(piece) for piece in tokenize(segment))
 
