@@ -175,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                 # The services export once a second: wait until the measured turns are in.
                 due = time.monotonic() + 10
                 while time.monotonic() < due:
-                    turns = sum(
+                    seen = sum(
                         1 for s, span in collector.spans[warm:] if span["name"] == GATEWAY_SPAN
                     )
-                    if turns >= requests:
+                    if seen >= requests:
                         break
                     time.sleep(0.2)  # polling the collector's thread, with a due time
                 spans = collector.spans[warm:]

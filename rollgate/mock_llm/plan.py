@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,13 +48,18 @@ def content_text(content: Any) -> str:
 
 def render_prompt(messages: Sequence[Any]) -> str:
     """A ChatML-like template over the messages, ending with the assistant header."""
-    parts = []
+    return "".join(_segments(messages))
+
+
+def _segments(messages: Sequence[Any]) -> Iterator[str]:
+    """The rendering in parts, each cut right after an `<|im_end|>`, before its newline."""
+    lead = ""
     for message in messages:
         if isinstance(message, dict):
             role = str(message.get("role", "user"))
-            parts.append(f"<|im_start|>{role}\n{content_text(message.get('content'))}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+            yield f"{lead}<|im_start|>{role}\n{content_text(message.get('content'))}<|im_end|>"
+            lead = "\n"
+    yield f"{lead}<|im_start|>assistant\n"
 
 
 def prompt_token_ids(messages: Sequence[Any]) -> list[int]:
@@ -67,14 +72,8 @@ def prompt_token_ids(messages: Sequence[Any]) -> list[int]:
     where whitespace follows non-whitespace, so the pieces of the parts are the pieces of the
     whole."""
     ids: list[int] = []
-    lead = ""
-    for message in messages:
-        if isinstance(message, dict):
-            role = str(message.get("role", "user"))
-            text = content_text(message.get("content"))
-            ids += _segment_ids(f"{lead}<|im_start|>{role}\n{text}<|im_end|>")
-            lead = "\n"
-    ids += _segment_ids(f"{lead}<|im_start|>assistant\n")
+    for segment in _segments(messages):
+        ids += _segment_ids(segment)
     return ids
 
 

@@ -32,23 +32,17 @@ def load_json(raw: bytes | str, *, what: str = "the request body", check_depth: 
         if "depth limit" in str(err):
             raise _too_deep(what) from None
         raise InvalidRequest(f"{what} is not valid JSON: {err}", code="invalid_json") from None
-    # Counting brackets is cheap and bounds the depth; only bodies that could be too deep pay
-    # for the exact check (one orjson encoding).
     if not check_depth:
         return value
+    # Counting brackets is cheap and bounds the depth; only bodies that could be too deep pay
+    # for the exact check (one encoding, `dump_json`'s).
     brackets = (
         raw.count(b"[") + raw.count(b"{")
         if isinstance(raw, bytes)
         else raw.count("[") + raw.count("{")
     )
     if brackets > MAX_JSON_DEPTH:
-        probe: Any = value
-        for _ in range(_ORJSON_DUMPS_DEPTH - MAX_JSON_DEPTH):
-            probe = [probe]
-        try:
-            orjson.dumps(probe)
-        except orjson.JSONEncodeError:
-            raise _too_deep(what) from None
+        dump_json(value, what=what)
     return value
 
 
