@@ -318,8 +318,10 @@ def environment(cell: Cell, args: argparse.Namespace, tmp: Path) -> Iterator[Env
             processes.pids["redis"] = int(info["process_id"])
             keys = asyncio.run(_start_sessions(stack, max(cell.clients, 1)))
             skeleton_url = ""
-            if getattr(args, "skeleton", False):
-                skeleton, skeleton_url = _skeleton(mock_url, stack.redis_url, logs)
+            if getattr(args, "skeleton", None):
+                skeleton, skeleton_url = _skeleton(
+                    mock_url, stack.redis_url, logs, recording=args.skeleton == "recording"
+                )
                 extra.extend(skeleton.values())
                 processes.pids.update({f"skeleton-{r}": p.pid for r, p in skeleton.items()})
             yield Environment(
@@ -349,10 +351,11 @@ def _listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def _skeleton(
-    mock_url: str, redis_url: str, logs: Path
+    mock_url: str, redis_url: str, logs: Path, *, recording: bool
 ) -> tuple[dict[str, subprocess.Popen[bytes]], str]:
     """bench/skeleton.py's three processes (on the stack's Redis); its gateway's URL."""
     script = str(HERE / "skeleton.py")
+    mode = ["--record"] if recording else []
     redis_port = str(redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"])
     started: dict[str, subprocess.Popen[bytes]] = {}
     ports = {"dataproxy": free_port(), "worker": free_port()}
@@ -364,13 +367,16 @@ def _skeleton(
         for role in ("dataproxy", "worker"):
             log = logs / f"skeleton-{role}.log"
             started[role] = _spawn(
-                [sys.executable, script, role, "--port", str(ports[role]), *argv[role]], log, REPO
+                [sys.executable, script, role, "--port", str(ports[role]), *argv[role], *mode],
+                log,
+                REPO,
             )
             _listening(ports[role], started[role], log)
         started["gateway"], url = _serve_http(
             [
                 sys.executable, script, "gateway", "--port", "{port}",
                 "--dataproxy-port", str(ports["dataproxy"]), "--worker-port", str(ports["worker"]),
+                *mode,
             ],
             logs / "skeleton-gateway.log",
         )  # fmt: skip
@@ -479,7 +485,7 @@ def _targets(rounds: list[Round]) -> list[str]:
     return list(dict.fromkeys(r.target for r in rounds))
 
 
-def summarize(cell: Cell, rounds: list[Round]) -> dict[str, Any]:
+def summarize(cell: Cell, rounds: list[Round], *, skeleton_mode: str = "bare") -> dict[str, Any]:
     """The cell's medians, spreads, ratios, added latencies, CPU and goal checks."""
     by = {t: [r for r in rounds if r.target == t] for t in TARGETS}
     paired = list(zip(by["direct"], by["floor"], by["rollgate"], strict=True))
@@ -510,12 +516,23 @@ def summarize(cell: Cell, rounds: list[Round]) -> dict[str, Any]:
     if skeleton:
         paired_skeleton = list(zip(by["floor"], skeleton, strict=True))
         skeleton_cpu = _cpu_ms_per_request(rounds, "skeleton").get("skeleton", float("nan"))
+        answered = sum(r.requests for r in skeleton) or 1
+        roles: dict[str, float] = {}
+        for r in skeleton:
+            for name, seconds in r.cpu_s.items():
+                if name.startswith("skeleton-"):
+                    role = name.removeprefix("skeleton-")
+                    roles[role] = roles.get(role, 0.0) + 1000 * seconds / answered
+        with_direct = list(zip(by["direct"], skeleton, strict=True))
         summary["skeleton"] = {
+            "mode": skeleton_mode,
             "to_floor": Spread.of([k.rps / f.rps for f, k in paired_skeleton]),
-            "added_p50_ms": Spread.of(
-                [k.p50_ms - d.p50_ms for d, k in zip(by["direct"], skeleton, strict=True)]
-            ),
+            "added_p50_ms": Spread.of([k.p50_ms - d.p50_ms for d, k in with_direct]),
+            "added_ttft_ms": Spread.of([k.ttft_p50_ms - d.ttft_p50_ms for d, k in with_direct])
+            if cell.stream
+            else None,
             "cpu_ms": skeleton_cpu,
+            "cpu_ms_by_role": roles,
             "cpu_to_floor": skeleton_cpu / floor_cpu if floor_cpu else float("nan"),
         }
     goals = {
@@ -553,10 +570,17 @@ def _show_cell(s: dict[str, Any]) -> str:
     )
     if "skeleton" in s:
         k = s["skeleton"]
+        what = (
+            "the same hops and the work no recording gateway can skip"
+            if k["mode"] == "recording"
+            else "the same hops, nothing else"
+        )
+        roles = ", ".join(f"{role} {ms:.2f}" for role, ms in sorted(k["cpu_ms_by_role"].items()))
+        ttft = f", added ttft {k['added_ttft_ms'].show()} ms" if k["added_ttft_ms"] else ""
         lines.append(
-            f"skeleton (bench/skeleton.py: the same hops, nothing else): / floor "
-            f"{k['to_floor'].show()}, added p50 {k['added_p50_ms'].show()} ms, CPU "
-            f"{k['cpu_ms']:.2f} ms/request = {k['cpu_to_floor']:.1f}x the floor's"
+            f"skeleton (bench/skeleton.py {k['mode']}: {what}): / floor "
+            f"{k['to_floor'].show()}, added p50 {k['added_p50_ms'].show()} ms{ttft}, CPU "
+            f"{k['cpu_ms']:.2f} ms/request ({roles}) = {k['cpu_to_floor']:.1f}x the floor's"
         )
     lines.append(f"errors: {s['errors']}, requests: {s['requests']}")
     lines.append(
@@ -670,8 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--growth-turns", type=int, default=16)
     parser.add_argument(
         "--skeleton",
-        action="store_true",
-        help="also run bench/skeleton.py (the design's hops and nothing else) in every round",
+        nargs="?",
+        const="bare",
+        choices=["bare", "recording"],
+        help="also run bench/skeleton.py in every round: the design's hops and nothing else "
+        "(bare, the default), or with the work no recording gateway can skip (recording)",
     )
     parser.add_argument(
         "--rollgate-root",
@@ -697,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             with environment(cell, args, Path(tmp)) as env:
                 rounds = asyncio.run(_measure(cell, env, args))
-            summary = summarize(cell, rounds)
+            summary = summarize(cell, rounds, skeleton_mode=args.skeleton or "bare")
             summaries.append(summary)
             raw["cells"][cell.name] = {"rounds": [asdict(r) for r in rounds]}
             print(_show_cell(summary), "\n", flush=True)

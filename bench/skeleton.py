@@ -14,9 +14,21 @@ Python implementation of this shape costs at least:
 - worker: each start is one aiohttp client call to the upstream (like the floor and rollgate),
   relaying the answer's bytes as they arrive.
 
-`bench/run.py --skeleton` runs it beside direct, floor and rollgate in the same rounds (the
-`skeleton` row). Roles: `python bench/skeleton.py {gateway,dataproxy,worker} …` (the bench
-starts them; see `Skeleton` in bench/run.py).
+With `--record` (`bench/run.py --skeleton recording`) it also does the work no recording
+gateway can skip, each piece once and in the cheapest way: the gateway parses the client's body
+and serializes its recorded part (`tools`, `messages`) and the other fields; the worker splices
+them into the upstream's body with `logprobs` and `return_token_ids` asked for, reads every
+answer chunk's JSON (the prompt ids, each sampled token's id and logprob, the text, the usage),
+writes the client's chunk without them, and packs the record (ids as int32, logprobs as
+float32, the assistant message as JSON), which the gateway hands to the dataproxy with the
+recorded part before the answer ends. Still left out: errors, limits, flow control, abort,
+per-token weight versions, tool calls, metrics, logs, tracing, the ledger's bookkeeping and the
+dataproxy's storage of the turn (it stores 64 bytes of it: rollgate stores only what a turn
+adds, a few KB).
+
+`bench/run.py --skeleton [recording]` runs it beside direct, floor and rollgate in the same
+rounds (the `skeleton` row). Roles: `python bench/skeleton.py {gateway,dataproxy,worker} …`
+(the bench starts them; see `_skeleton` in bench/run.py).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import struct
 import sys
 from collections.abc import Callable
@@ -31,6 +44,7 @@ from typing import Any
 
 import aiohttp
 import hiredis
+import orjson
 import uvloop
 from aiohttp import web
 
@@ -124,7 +138,79 @@ async def dataproxy(port: int, redis_host: str, redis_port: int) -> None:
         await server.serve_forever()
 
 
-async def worker(port: int, upstream: str) -> None:
+_DONE = b"[DONE]"
+
+
+class Recording:
+    """What a recording worker reads from one answer: the record's parts, the client's view."""
+
+    def __init__(self) -> None:
+        self.prompt_ids: list[int] = []
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text: list[str] = []
+        self.usage: Any = None
+        self.finish_reason = ""
+
+    def read(self, body: dict[str, Any], *, key: str) -> None:
+        """Takes the ids, logprobs and text of one chunk (`key` "delta") or one answer
+        ("message") and strips the ids and logprobs from it (the client did not ask)."""
+        prompt = body.pop("prompt_token_ids", None)
+        if prompt:
+            self.prompt_ids = prompt
+        usage = body.get("usage")
+        if usage:
+            self.usage = usage
+        for choice in body.get("choices") or ():
+            ids = choice.pop("token_ids", None)
+            if ids:
+                self.output_ids.extend(ids)
+            prompt = choice.pop("prompt_token_ids", None)
+            if prompt:
+                self.prompt_ids = prompt
+            logprobs = choice.get("logprobs")
+            if logprobs:
+                self.logprobs.extend(entry["logprob"] for entry in logprobs["content"])
+                choice["logprobs"] = None
+            part = choice.get(key)
+            if part:
+                content = part.get("content")
+                if content:
+                    self.text.append(content)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def record(self) -> bytes:
+        """The packed record: three arrays, then the message and the usage as JSON."""
+        ids, out, logprobs = self.prompt_ids, self.output_ids, self.logprobs
+        message = orjson.dumps({"role": "assistant", "content": "".join(self.text)})
+        return b"".join(
+            (
+                _SIZE.pack(len(ids)),
+                struct.pack(f"<{len(ids)}i", *ids),
+                _SIZE.pack(len(out)),
+                struct.pack(f"<{len(out)}i", *out),
+                struct.pack(f"<{len(logprobs)}f", *logprobs),
+                _SIZE.pack(len(message)),
+                message,
+                orjson.dumps(self.usage),
+            )
+        )
+
+
+def _upstream_body(payload: bytes, *, stream: bool) -> bytes:
+    """The parameters (parsed: the only part the worker reads) with what the record needs,
+    spliced in front of the recorded part's bytes."""
+    (size,) = _SIZE.unpack_from(payload)
+    params = orjson.loads(payload[4 : 4 + size])
+    params["logprobs"] = True
+    params["return_token_ids"] = True
+    if stream:
+        params["stream_options"] = {"include_usage": True}
+    return orjson.dumps(params)[:-1] + b"," + payload[5 + size :]
+
+
+async def worker(port: int, upstream: str, *, record: bool) -> None:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     loop = asyncio.get_running_loop()
 
@@ -137,10 +223,37 @@ async def worker(port: int, upstream: str) -> None:
                 conn.send(CHUNK, ident, data)
             conn.send(END, ident)
 
+    async def run_recording(conn: Framed, op: int, ident: int, payload: bytes) -> None:
+        stream = op == START_STREAM
+        body = _upstream_body(payload, stream=stream)
+        recording = Recording()
+        async with session.post(upstream, data=body) as response:
+            if not stream:
+                answer = orjson.loads(await response.read())
+                recording.read(answer, key="message")
+                client = orjson.dumps(answer)
+                conn.send(ANSWER, ident, _SIZE.pack(len(client)) + client + recording.record())
+                return
+            pending = b""
+            async for data in response.content.iter_any():
+                events = (pending + data).split(b"\n\n")
+                pending = events.pop()
+                out = []
+                for event in events:
+                    if not event.startswith(b"data: ") or event[6:] == _DONE:
+                        continue
+                    chunk = orjson.loads(event[6:])
+                    recording.read(chunk, key="delta")
+                    out.append(orjson.dumps(chunk))
+                if out:
+                    conn.send(CHUNK, ident, b"data: " + b"\n\ndata: ".join(out) + b"\n\n")
+            conn.send(END, ident, recording.record())
+
     tasks: set[asyncio.Task[None]] = set()
+    turn = run_recording if record else run
 
     def on_frame(conn: Framed, op: int, ident: int, payload: bytes) -> None:
-        task = loop.create_task(run(conn, op, ident, payload))
+        task = loop.create_task(turn(conn, op, ident, payload))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
@@ -174,7 +287,17 @@ class Peer:
             del self.waiting[ident]
 
 
-def gateway(port: int, dataproxy_port: int, worker_port: int) -> None:
+def _split(body: bytes) -> tuple[bool, bytes]:
+    """A recording gateway's reading of the body: whether it streams, and the start's payload
+    (the other fields, then the recorded part, each serialized once)."""
+    parsed = orjson.loads(body)
+    recorded = {"tools": parsed.pop("tools")} if "tools" in parsed else {}
+    recorded["messages"] = parsed.pop("messages")
+    params = orjson.dumps(parsed)
+    return parsed.get("stream") is True, _SIZE.pack(len(params)) + params + orjson.dumps(recorded)
+
+
+def gateway(port: int, dataproxy_port: int, worker_port: int, *, record: bool) -> None:
     ids = iter(range(1, 1 << 31))
     peers: dict[str, Peer] = {}
 
@@ -214,12 +337,41 @@ def gateway(port: int, dataproxy_port: int, worker_port: int) -> None:
         await response.write_eof()
         return response
 
+    async def chat_recording(request: web.Request) -> web.StreamResponse:
+        stream, start = _split(await request.read())
+        recorded = start[4 + _SIZE.unpack_from(start)[0] :]
+        ident = next(ids)
+        digest = hashlib.sha256(request.headers["Authorization"].encode()).hexdigest()
+        await peers["dataproxy"].ask(BEGIN, ident, digest.encode())
+        worker_peer = peers["worker"]
+        if not stream:
+            answer = await worker_peer.ask(START, ident, start)
+            (size,) = _SIZE.unpack_from(answer)
+            await peers["dataproxy"].ask(RECORD, ident, answer[4 + size :] + recorded)
+            return web.Response(body=answer[4 : 4 + size], content_type="application/json")
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        worker_peer.waiting[ident] = queue
+        worker_peer.conn.send(START_STREAM, ident, start)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                op, data = await queue.get()
+                if op == END:  # the record: the answer ends only once it is stored
+                    await peers["dataproxy"].ask(RECORD, ident, data + recorded)
+                    break
+                await response.write(data)
+        finally:
+            del worker_peer.waiting[ident]
+        await response.write_eof(b"data: [DONE]\n\n")
+        return response
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "skeleton"}]})
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.cleanup_ctx.append(connect)
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", chat_recording if record else chat)
     app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
@@ -233,15 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-port", type=int, default=0)
     parser.add_argument("--redis-port", type=int, default=6379)
     parser.add_argument("--upstream", default="", help="the upstream's chat completions URL")
+    parser.add_argument(
+        "--record", action="store_true", help="also do the work no recording gateway can skip"
+    )
     args = parser.parse_args(argv)
     uvloop.install()
     with contextlib.suppress(KeyboardInterrupt):
         if args.role == "gateway":
-            gateway(args.port, args.dataproxy_port, args.worker_port)
+            gateway(args.port, args.dataproxy_port, args.worker_port, record=args.record)
         elif args.role == "dataproxy":
             asyncio.run(dataproxy(args.port, "127.0.0.1", args.redis_port))
         else:
-            asyncio.run(worker(args.port, args.upstream))
+            asyncio.run(worker(args.port, args.upstream, record=args.record))
     return 0
 
 
