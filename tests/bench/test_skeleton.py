@@ -1,17 +1,22 @@
-"""bench/skeleton.py, the design's hops and nothing else, as the bench starts it: real
-processes (its gateway, dataproxy and worker) on a real Redis, in front of the mock upstream;
-unary and streamed answers come back whole and each turn ran its two Redis scripts."""
+"""bench/skeleton.py, the design's hops and nothing else (or, `--record`, with the work no
+recording gateway can skip), as the bench starts it: real processes (its gateway, dataproxy and
+worker) on a real Redis, in front of the mock upstream; unary and streamed answers come back
+whole, each turn ran its two Redis scripts, and a recording skeleton's client sees no ids or
+logprobs while its dataproxy got the turn's packed prompt ids."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import struct
 import sys
 import urllib.request
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import orjson
+import pytest
 import redis
 
 from rollgate.mock_llm import MockLLM
@@ -34,19 +39,27 @@ def _load(name: str) -> ModuleType:
 
 def _post(url: str, body: dict[str, object]) -> bytes:
     request = urllib.request.Request(url, data=orjson.dumps(body), method="POST")
+    request.add_header("Authorization", "Bearer sk-sess-skeleton")
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
         return bytes(response.read())
 
 
+def _no_ids(choice: dict[str, Any]) -> bool:
+    return choice.get("logprobs") is None and "token_ids" not in choice
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["bare", "recording"])
 async def test_the_skeleton_relays_unary_and_streamed_answers(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, recording: bool
 ) -> None:
     run = _load("run")
-    counter = redis.Redis.from_url(redis_url)
-    counter.delete("skeleton:count")
+    store = redis.Redis.from_url(redis_url)
+    store.delete("skeleton:count")
     async with MockLLM(port=0, answer_tokens=8) as mock:
-        processes, url = run._skeleton(mock.base_url.removesuffix("/v1"), redis_url, tmp_path)
+        processes, url = run._skeleton(
+            mock.base_url.removesuffix("/v1"), redis_url, tmp_path, recording=recording
+        )
         try:
             chat = f"{url}/v1/chat/completions"
             messages = [{"role": "user", "content": "skeleton"}]
@@ -62,13 +75,24 @@ async def test_the_skeleton_relays_unary_and_streamed_answers(
             for process in processes.values():
                 process.terminate()
                 process.wait(timeout=15)
+        asked = mock.stats.last_body
     assert "you said skeleton" in unary["choices"][0]["message"]["content"]
     events = [line for line in streamed.split(b"\n") if line.startswith(b"data: ")]
     assert events[-1] == b"data: [DONE]"
-    text = "".join(
-        (orjson.loads(e[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or ""
-        for e in events[:-1]
-    )
+    chunks = [orjson.loads(e[6:]) for e in events[:-1]]
+    text = "".join((c["choices"] or [{}])[0].get("delta", {}).get("content") or "" for c in chunks)
     assert "you said skeleton" in text
     # A begin and a record per turn, each one script on the skeleton's dataproxy.
-    assert int(counter.get("skeleton:count") or 0) == 4
+    assert int(store.get("skeleton:count") or 0) == 4
+    if not recording:
+        return
+    # The upstream was asked for what a record needs; the client gets none of it.
+    assert asked["logprobs"] is True and asked["return_token_ids"] is True
+    assert asked["messages"] == messages
+    assert _no_ids(unary["choices"][0]) and "prompt_token_ids" not in unary
+    assert all(_no_ids(c) for chunk in chunks for c in chunk["choices"])
+    assert not any("prompt_token_ids" in chunk for chunk in chunks)
+    # Each record the dataproxy stored (its first 64 bytes) starts with the prompt's ids.
+    stored = [store.get(key) for key in store.scan_iter(match="skeleton:[0-9]*")]
+    prompts = [struct.unpack(">I", value[:4])[0] for value in stored if value]
+    assert sum(1 for n in prompts if 0 < n < 1 << 16) >= 2
