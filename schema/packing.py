@@ -36,6 +36,12 @@ def _unpacked(typecode: str, data: bytes) -> array[Any]:
 
 def pack_int32(values: Iterable[int]) -> bytes:
     """Integers as int32 little-endian bytes (TypeError / OverflowError for other values)."""
+    if isinstance(values, array) and values.typecode == "i" and values.itemsize == WIDTH:
+        if sys.byteorder == "little":
+            return values.tobytes()  # packed already (`int32_array`): one copy
+        swapped = array("i", values)
+        swapped.byteswap()
+        return swapped.tobytes()
     items = values if isinstance(values, list | tuple) else list(values)
     try:
         # Twice as fast as array("i", …) on a prompt's ids (≈ 8 ns an id instead of 17).
@@ -47,6 +53,13 @@ def pack_int32(values: Iterable[int]) -> bytes:
 def pack_float32(values: Iterable[float]) -> bytes:
     """Floats as float32 little-endian bytes."""
     return _packed("f", values)
+
+
+def int32_array(data: bytes) -> array[int]:
+    """`data` (int32 little-endian) as an array of ints, without an int object per value until
+    one is read (`pack_int32` gives the bytes back in one copy); ValueError unless 4-byte
+    aligned."""
+    return _unpacked("i", data)
 
 
 def unpack_int32(data: bytes) -> list[int]:

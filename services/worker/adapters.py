@@ -24,6 +24,11 @@ class UpstreamAdapter(Protocol):
         """True when the kind can only ask for one sample per call."""
         ...
 
+    @property
+    def reads_token_ids(self) -> bool:
+        """True when the kind records the token ids the chunks carry (the prompt's included)."""
+        ...
+
     def endpoint(self, base_url: str) -> str:
         """The URL this kind POSTs to."""
         ...

@@ -38,6 +38,8 @@ class OpenAICompatAdapter:
     kind: ClassVar[str] = "openai"
     # True when the adapter can only ask for one sample per call.
     single_sample: ClassVar[bool] = False
+    # True when the kind records the token ids the chunks carry (the prompt's included).
+    reads_token_ids: ClassVar[bool] = False
 
     def endpoint(self, base_url: str) -> str:
         """The URL this kind POSTs to."""

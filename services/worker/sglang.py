@@ -46,6 +46,7 @@ class SglangChatAdapter(OpenAICompatAdapter):
     """SGLang's OpenAI chat endpoint: exact only when the answer carries token ids."""
 
     kind: ClassVar[str] = "sglang"
+    reads_token_ids: ClassVar[bool] = True
 
     def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one streamed chunk and any token ids it carries."""

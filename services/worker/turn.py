@@ -6,6 +6,7 @@ functions at the bottom shape what the client gets back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,8 @@ class TurnResult:
     interaction_id: str
     upstream_model: str
     finish_reason: str
-    prompt_token_ids: list[int]
+    # A list from the JSON, or an int32 array read through the prompt cache (turns.py).
+    prompt_token_ids: Sequence[int]
     output_token_ids: list[int]
     output_logprobs: list[float]
     exact_tokens: bool
@@ -171,7 +173,7 @@ class TurnAccumulator:
         self._sampled: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
         # None: the upstream gave no ids (not the same as an empty output).
-        self.prompt_token_ids: list[int] | None = None
+        self.prompt_token_ids: Sequence[int] | None = None
         self.output_token_ids: list[int] | None = None
         # True once a chunk carried generated output (for time to first token).
         self.output_seen = False

@@ -14,11 +14,13 @@ import orjson
 
 from chatml.template import render_chatml
 from chatml.tokenizer import LocalTokenizer
+from schema.packing import int32_array
 from services.runtime.errors import UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.adapters import UpstreamAdapter
 from services.worker.http1 import Http1Response, HttpError
-from services.worker.openai_compat import Translator
+from services.worker.openai_compat import PassThrough, Translator
+from services.worker.prompt_ids import PromptIdsCache, cut_prompt_ids
 from services.worker.turn import (
     AnswerDelta,
     TurnAccumulator,
@@ -73,6 +75,10 @@ def _parse_chunk(payload: bytes) -> dict[str, Any]:
         chunk = orjson.loads(payload)
     except orjson.JSONDecodeError:
         raise UpstreamError("the upstream streamed a chunk that is not JSON") from None
+    return _checked_chunk(chunk)
+
+
+def _checked_chunk(chunk: Any) -> dict[str, Any]:
     if not isinstance(chunk, dict):
         raise UpstreamError("the upstream streamed a chunk that is not a JSON object")
     if isinstance(chunk.get("error"), dict):
@@ -180,6 +186,24 @@ def _abort_chunk(acc: TurnAccumulator) -> dict[str, Any]:
     }
 
 
+def _took_prompt_ids(chunk: dict[str, Any]) -> bool:
+    """Whether the prompt ids `cut_prompt_ids` replaced by null were where prompt ids go (top
+    level, else choice 0, as `TurnAccumulator` reads them); the null is removed."""
+    if "prompt_token_ids" in chunk:
+        if chunk["prompt_token_ids"] is not None:
+            return False
+        del chunk["prompt_token_ids"]
+        return True
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+        return False
+    choice = choices[0]
+    if choice.get("index", 0) != 0 or choice.get("prompt_token_ids", False) is not None:
+        return False
+    del choice["prompt_token_ids"]
+    return True
+
+
 def _index_zero(choices: list[Any]) -> bool:
     return not choices or (isinstance(choices[0], dict) and choices[0].get("index", 0) == 0)
 
@@ -204,6 +228,7 @@ class _StreamedAnswer:
         "_clock",
         "_deltas_only",
         "_group",
+        "_prompt_ids",
         "_runner",
         "_translator",
         "aborted",
@@ -229,6 +254,18 @@ class _StreamedAnswer:
         self._deltas_only = deltas_only
         self._group = _Group(runner.adapter)
         self._clock = _Clock()
+        # Until the first payload is read: the prompt ids read through the cache, when the
+        # kind records ids, the chunks are the upstream's own chat JSON and the client asked
+        # for neither the ids (they stay in its chunk) nor several samples.
+        ask = request.ask
+        self._prompt_ids = (
+            runner.prompt_ids
+            if runner.adapter.reads_token_ids
+            and type(translator) is PassThrough
+            and not ask.token_ids
+            and not ask.only_choice_zero
+            else None
+        )
         # The upstream said [DONE] (or an abort ended the answer); an abort closed the answer.
         self.done = False
         self.aborted = False
@@ -244,7 +281,11 @@ class _StreamedAnswer:
             if payload == DONE:
                 self.done = True
                 break
-            for chunk in self._translator.events(_parse_chunk(payload)):
+            if self._prompt_ids is not None:
+                parsed = self._first_chunk(payload, self._prompt_ids)
+            else:
+                parsed = _parse_chunk(payload)
+            for chunk in self._translator.events(parsed):
                 group.read_chunk(chunk)
                 if group.main.output_seen:
                     self._clock.mark_first_token()
@@ -264,6 +305,24 @@ class _StreamedAnswer:
                 prompt_tokens=group.prompt_tokens(),
             )
         return None
+
+    def _first_chunk(self, payload: bytes, prompt_ids: PromptIdsCache) -> dict[str, Any]:
+        """The first chunk, its prompt ids (vLLM's, a whole prompt's) cut out before it is
+        parsed and read through the cache (`services/worker/prompt_ids.py`): only the ids an
+        earlier prompt did not have are parsed. A chunk they cannot be cut from is parsed
+        whole."""
+        self._prompt_ids = None
+        cut = cut_prompt_ids(payload)
+        if cut is not None:
+            rest, ids = cut
+            try:
+                chunk = orjson.loads(rest)
+            except orjson.JSONDecodeError:
+                chunk = None
+            if type(chunk) is dict and _took_prompt_ids(chunk):
+                self._group.main.prompt_token_ids = int32_array(prompt_ids.pack(ids))
+                return _checked_chunk(chunk)
+        return _parse_chunk(payload)
 
     def end(self) -> Iterator[StreamBatch | TurnResult]:
         """Once the answer was read: an aborted answer's last batch, then the record; raises
@@ -396,6 +455,8 @@ class TurnRunner:
         self._tokenizer = tokenizer
         self._url = adapter.endpoint(upstream.base_url)
         self._in_flight = 0
+        # The prompt ids of streamed answers, read once per shared prefix (prompt_ids.py).
+        self.prompt_ids = PromptIdsCache()
         # request_id → the abort switches of the streaming turns running under it.
         self._aborts: dict[str, set[_Abort]] = {}
         # Turns whose logprob count differed from their id count (flagged, never padded).

@@ -12,6 +12,7 @@ class VllmAdapter(OpenAICompatAdapter):
     """OpenAI chunks plus vLLM's `prompt_token_ids` and per-chunk `choices[0].token_ids`."""
 
     kind: ClassVar[str] = "vllm"
+    reads_token_ids: ClassVar[bool] = True
 
     def prepare(self, body: dict[str, Any]) -> None:
         """Asks vLLM for the prompt ids and the sampled ids."""
