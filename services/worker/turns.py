@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,6 +76,13 @@ def _parse_chunk(payload: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         raise UpstreamError("the upstream streamed a chunk that is not JSON") from None
     return _checked_chunk(chunk)
+
+
+def _json_body(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("the upstream answered with a body that is not JSON") from None
 
 
 def _checked_chunk(chunk: Any) -> dict[str, Any]:
@@ -186,6 +193,26 @@ def _abort_chunk(acc: TurnAccumulator) -> dict[str, Any]:
     }
 
 
+def _with_prompt_ids(
+    payload: bytes, cache: PromptIdsCache
+) -> tuple[dict[str, Any], Sequence[int]] | None:
+    """`payload` (a chunk or a completion) parsed with its prompt ids cut out first and read
+    through `cache` (`services/worker/prompt_ids.py`: only the ids an earlier prompt did not
+    have are parsed), and those ids; None when they cannot be cut from it (the caller parses
+    it whole); UpstreamError when they are not int32 ids."""
+    cut = cut_prompt_ids(payload)
+    if cut is None:
+        return None
+    rest, ids = cut
+    try:
+        parsed = orjson.loads(rest)
+    except orjson.JSONDecodeError:
+        return None
+    if type(parsed) is not dict or not _took_prompt_ids(parsed):
+        return None
+    return parsed, int32_array(cache.pack(ids))
+
+
 def _took_prompt_ids(chunk: dict[str, Any]) -> bool:
     """Whether the prompt ids `cut_prompt_ids` replaced by null were where prompt ids go (top
     level, else choice 0, as `TurnAccumulator` reads them); the null is removed."""
@@ -254,18 +281,8 @@ class _StreamedAnswer:
         self._deltas_only = deltas_only
         self._group = _Group(runner.adapter)
         self._clock = _Clock()
-        # Until the first payload is read: the prompt ids read through the cache, when the
-        # kind records ids, the chunks are the upstream's own chat JSON and the client asked
-        # for neither the ids (they stay in its chunk) nor several samples.
-        ask = request.ask
-        self._prompt_ids = (
-            runner.prompt_ids
-            if runner.adapter.reads_token_ids
-            and type(translator) is PassThrough
-            and not ask.token_ids
-            and not ask.only_choice_zero
-            else None
-        )
+        # Until the first payload is read: the cache its prompt ids are read through.
+        self._prompt_ids = runner.prompt_ids_for(request, translator)
         # The upstream said [DONE] (or an abort ended the answer); an abort closed the answer.
         self.done = False
         self.aborted = False
@@ -307,22 +324,14 @@ class _StreamedAnswer:
         return None
 
     def _first_chunk(self, payload: bytes, prompt_ids: PromptIdsCache) -> dict[str, Any]:
-        """The first chunk, its prompt ids (vLLM's, a whole prompt's) cut out before it is
-        parsed and read through the cache (`services/worker/prompt_ids.py`): only the ids an
-        earlier prompt did not have are parsed. A chunk they cannot be cut from is parsed
-        whole."""
+        """The first chunk, its prompt ids (vLLM's, a whole prompt's) read through the cache
+        (`_with_prompt_ids`); a chunk they cannot be cut from is parsed whole."""
         self._prompt_ids = None
-        cut = cut_prompt_ids(payload)
-        if cut is not None:
-            rest, ids = cut
-            try:
-                chunk = orjson.loads(rest)
-            except orjson.JSONDecodeError:
-                chunk = None
-            if type(chunk) is dict and _took_prompt_ids(chunk):
-                self._group.main.prompt_token_ids = int32_array(prompt_ids.pack(ids))
-                return _checked_chunk(chunk)
-        return _parse_chunk(payload)
+        read = _with_prompt_ids(payload, prompt_ids)
+        if read is None:
+            return _parse_chunk(payload)
+        chunk, self._group.main.prompt_token_ids = read
+        return _checked_chunk(chunk)
 
     def end(self) -> Iterator[StreamBatch | TurnResult]:
         """Once the answer was read: an aborted answer's last batch, then the record; raises
@@ -461,6 +470,22 @@ class TurnRunner:
         self._aborts: dict[str, set[_Abort]] = {}
         # Turns whose logprob count differed from their id count (flagged, never padded).
         self.length_mismatches = 0
+
+    def prompt_ids_for(
+        self, request: UpstreamRequest, translator: Translator
+    ) -> PromptIdsCache | None:
+        """The cache a turn's prompt ids are read through (`_with_prompt_ids`), when the kind
+        records ids, its JSON is the upstream's own chat JSON and the client asked for neither
+        the ids (they stay in its answer, read as they come) nor several samples; else None."""
+        ask = request.ask
+        if (
+            self._adapter.reads_token_ids
+            and type(translator) is PassThrough
+            and not ask.token_ids
+            and not ask.only_choice_zero
+        ):
+            return self.prompt_ids
+        return None
 
     @property
     def adapter(self) -> UpstreamAdapter:
@@ -662,7 +687,13 @@ class TurnRunner:
             async with self._upstream.post_chat(
                 request.body, deadline=deadline, url=self._url
             ) as response:
-                answer = await self._upstream.read_json(response, deadline=deadline)
+                raw = await self._upstream.read_body(response, deadline=deadline)
+            prompt_ids = self.prompt_ids_for(request, translator)
+            read = _with_prompt_ids(raw, prompt_ids) if prompt_ids is not None else None
+            if read is not None:
+                answer, group.main.prompt_token_ids = read
+            else:
+                answer = _json_body(raw)
             if not isinstance(answer, dict):
                 raise UpstreamError("the upstream answered with JSON that is not an object")
             body = translator.completion(answer)

@@ -458,18 +458,14 @@ class UpstreamClient:
         except (TimeoutError, *_READ_ERRORS):
             return b""
 
-    async def read_json(self, response: Response, *, deadline: float) -> Any:
-        """The whole body of a non-streaming answer, parsed."""
+    async def read_body(self, response: Response, *, deadline: float) -> bytes:
+        """The whole body of a non-streaming answer."""
         with _mid_response_errors():
             if isinstance(response, Http1Response):
-                body = await response.read()  # the request's timer keeps its deadline
-            else:
-                async with asyncio.timeout_at(deadline):
-                    body = await response.read()
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise UpstreamError("the upstream answered with a body that is not JSON") from None
+                return await response.read()  # the request's timer keeps its deadline
+            async with asyncio.timeout_at(deadline):
+                body: bytes = await response.read()
+                return body
 
     async def read_events(
         self, response: Response, *, deadline: float

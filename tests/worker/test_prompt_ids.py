@@ -159,3 +159,21 @@ async def test_a_streamed_turn_records_the_prompt_ids_and_the_next_turn_reuses_t
         # A client that asks for the ids gets them in its chunk, read as before.
         record, chunks = await _streamed_record(worker.stub, second, return_token_ids=True)
         assert chunks[0]["prompt_token_ids"] == record.prompt_token_ids == prompt_token_ids(second)
+
+
+async def test_a_unary_turn_reads_its_prompt_ids_through_the_cache_too() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief. " * 300},
+        {"role": "user", "content": "hi"},
+    ]
+    body = orjson.dumps({"model": "rollgate-mock", "messages": messages})
+    async with mock_and_worker(kind="vllm") as (_, worker):
+        for turn in range(2):
+            answer = await worker.stub.Complete(
+                worker_pb2.GenerateRequest(body_json=body), timeout=10
+            )
+            assert unpacked(answer.record).prompt_token_ids == prompt_token_ids(messages)
+            assert "prompt_token_ids" not in orjson.loads(answer.body_json)
+            cache = worker.runner.prompt_ids
+            assert cache.reused == turn * len(prompt_token_ids(messages))
+        assert cache.parsed == len(prompt_token_ids(messages))
