@@ -26,8 +26,10 @@ import orjson
 from schema.packing import pack_int32
 from services.runtime.errors import UpstreamError
 
-# What opens the array in a chunk (vLLM writes no space after the colon).
-_KEY = b'"prompt_token_ids":['
+# The key of the array in a chunk (vLLM writes no space after the colon; JSON may).
+_KEY = b'"prompt_token_ids":'
+# JSON's whitespace (the empty slice past the end stops the skipping too).
+_SPACE = (b" ", b"\t", b"\n", b"\r")
 # What the array is replaced by in the chunk that is then parsed.
 _CUT = b'"prompt_token_ids":null'
 
@@ -41,6 +43,11 @@ def cut_prompt_ids(payload: bytes) -> tuple[bytes, bytes] | None:
     if start < 0:
         return None
     opened = start + len(_KEY)
+    while payload[opened : opened + 1] in _SPACE:
+        opened += 1
+    if payload[opened : opened + 1] != b"[":
+        return None  # null, or not an array: the chunk is parsed whole
+    opened += 1
     end = payload.find(b"]", opened)
     if end < 0:
         return None

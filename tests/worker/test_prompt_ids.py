@@ -6,6 +6,7 @@ record holds the mock's own prompt ids while a follow-up turn parses only what i
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,6 +18,17 @@ from schema.packing import pack_int32
 from services.runtime.errors import UpstreamError
 from services.worker.prompt_ids import PromptIdsCache, cut_prompt_ids
 from tests.worker.harness import mock_and_worker, unpacked
+
+# Raw answers of a real vLLM 0.32 (README.md there).
+VLLM_WIRE = Path(__file__).resolve().parent / "vllm_wire"
+
+
+def _payloads(raw: bytes) -> list[bytes]:
+    """A capture's JSON documents: its body, or each SSE event's data."""
+    body = raw.replace(b"\r\n", b"\n").split(b"\n\n", 1)[1]
+    if body.lstrip().startswith(b"{"):
+        return [body]
+    return [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
 
 
 def _text(ids: list[int], separator: bytes = b",") -> bytes:
@@ -37,6 +49,31 @@ def test_the_array_is_cut_from_the_top_level_or_a_choice_and_the_rest_still_pars
     assert text == b"9" and orjson.loads(rest)["choices"][0]["prompt_token_ids"] is None
     assert cut_prompt_ids(orjson.dumps({"choices": [{"index": 0, "token_ids": [1]}]})) is None
     assert cut_prompt_ids(b'{"prompt_token_ids":[1,2') is None
+    assert cut_prompt_ids(b'{"prompt_token_ids": null, "choices": []}') is None
+    # Pretty-printed JSON (a space after the colon, ids on lines of their own) is cut too.
+    pretty = b'{\n  "prompt_token_ids": [\n    5,\n    6\n  ],\n  "choices": []\n}'
+    rest, text = cut_prompt_ids(pretty) or (b"", b"")
+    assert orjson.loads(rest) == {"prompt_token_ids": None, "choices": []}
+    assert PromptIdsCache().pack(text) == pack_int32([5, 6])
+    # Every vLLM 0.32 capture with prompt ids: the cut and the cache give the ids the whole
+    # parse gives.
+    captures = sorted(VLLM_WIRE.glob("*.response.txt"))
+    assert len(captures) == 5
+    checked = 0
+    for capture in captures:
+        for payload in _payloads(capture.read_bytes()):
+            whole = orjson.loads(payload)
+            expected = whole.get("prompt_token_ids") or (whole.get("choices") or [{}])[0].get(
+                "prompt_token_ids"
+            )
+            cut = cut_prompt_ids(payload)
+            if not expected:
+                assert cut is None or not orjson.loads(cut[1].join((b"[", b"]")))
+                continue
+            assert cut is not None, capture.name
+            assert PromptIdsCache().pack(cut[1]) == pack_int32(expected), capture.name
+            checked += 1
+    assert checked == 5
 
 
 def _variants(rng: random.Random, base: list[int]) -> list[list[int]]:
