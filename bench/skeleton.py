@@ -18,10 +18,12 @@ With `--record` (`bench/run.py --skeleton recording`) it also does the work no r
 gateway can skip, each piece once and in the cheapest way: the gateway parses the client's body
 and serializes its recorded part (`tools`, `messages`) and the other fields; the worker splices
 them into the upstream's body with `logprobs` and `return_token_ids` asked for, reads every
-answer chunk's JSON (the prompt ids, each sampled token's id and logprob, the text, the usage),
-writes the client's chunk without them, and packs the record (ids as int32, logprobs as
-float32, the assistant message as JSON), which the gateway hands to the dataproxy with the
-recorded part before the answer ends. Still left out: errors, limits, flow control, abort,
+answer chunk's JSON (each sampled token's id and logprob, the text, the usage), writes the
+client's chunk without them, and packs the record (ids as int32, logprobs as float32, the
+assistant message as JSON), which the gateway hands to the dataproxy with the recorded part
+before the answer ends. The prompt's ids (vLLM sends the whole prompt's on the first chunk) are
+cut out before that chunk is parsed and only what an earlier prompt with the same first KB did
+not have is parsed (`PromptCache`: an agent resends the same prompt plus a little each turn). Still left out: errors, limits, flow control, abort,
 per-token weight versions, tool calls, metrics, logs, tracing, the ledger's bookkeeping and the
 dataproxy's storage of the turn (it stores 64 bytes of it: rollgate stores only what a turn
 adds, a few KB).
@@ -141,11 +143,57 @@ async def dataproxy(port: int, redis_host: str, redis_port: int) -> None:
 _DONE = b"[DONE]"
 
 
+_PROMPT_KEY = b'"prompt_token_ids":['
+
+
+class PromptCache:
+    """The latest prompt ids text packed per first KB of it: a prompt that repeats an earlier
+    one's text reuses its packed ids and parses only the rest (an agent resends its system
+    prompt, tools and history every turn)."""
+
+    def __init__(self) -> None:
+        self._latest: dict[bytes, tuple[bytes, bytes]] = {}
+
+    def pack(self, text: bytes) -> bytes:
+        old = self._latest.get(text[:1024])
+        packed = None
+        if old is not None:
+            if old[0] == text:
+                packed = old[1]
+            else:
+                low, high = 0, min(len(text), len(old[0])) + 1
+                while high - low > 1:
+                    middle = (low + high) // 2
+                    if text[low:middle] == old[0][low:middle]:
+                        low = middle
+                    else:
+                        high = middle
+                comma = text.rfind(b",", 0, low)
+                if comma > 0:
+                    ids = orjson.loads(b"[" + text[comma + 1 :] + b"]")
+                    shared = (text.count(b",", 0, comma) + 1) * 4
+                    packed = old[1][:shared] + struct.pack(f"<{len(ids)}i", *ids)
+        if packed is None:
+            ids = orjson.loads(b"[" + text + b"]")
+            packed = struct.pack(f"<{len(ids)}i", *ids)
+        self._latest[text[:1024]] = (text, packed)
+        return packed
+
+    def parse(self, payload: bytes, recording: Recording) -> Any:
+        """`payload` parsed, its prompt ids (when it has them) cut out first and packed here."""
+        start = payload.find(_PROMPT_KEY)
+        if start < 0:
+            return orjson.loads(payload)
+        end = payload.find(b"]", start)
+        recording.prompt = self.pack(payload[start + len(_PROMPT_KEY) : end])
+        return orjson.loads(payload[:start] + b'"prompt_token_ids":null' + payload[end + 1 :])
+
+
 class Recording:
     """What a recording worker reads from one answer: the record's parts, the client's view."""
 
     def __init__(self) -> None:
-        self.prompt_ids: list[int] = []
+        self.prompt = b""  # packed
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.text: list[str] = []
@@ -155,9 +203,7 @@ class Recording:
     def read(self, body: dict[str, Any], *, key: str) -> None:
         """Takes the ids, logprobs and text of one chunk (`key` "delta") or one answer
         ("message") and strips the ids and logprobs from it (the client did not ask)."""
-        prompt = body.pop("prompt_token_ids", None)
-        if prompt:
-            self.prompt_ids = prompt
+        body.pop("prompt_token_ids", None)
         usage = body.get("usage")
         if usage:
             self.usage = usage
@@ -165,9 +211,7 @@ class Recording:
             ids = choice.pop("token_ids", None)
             if ids:
                 self.output_ids.extend(ids)
-            prompt = choice.pop("prompt_token_ids", None)
-            if prompt:
-                self.prompt_ids = prompt
+            choice.pop("prompt_token_ids", None)
             logprobs = choice.get("logprobs")
             if logprobs:
                 self.logprobs.extend(entry["logprob"] for entry in logprobs["content"])
@@ -182,12 +226,12 @@ class Recording:
 
     def record(self) -> bytes:
         """The packed record: three arrays, then the message and the usage as JSON."""
-        ids, out, logprobs = self.prompt_ids, self.output_ids, self.logprobs
+        out, logprobs = self.output_ids, self.logprobs
         message = orjson.dumps({"role": "assistant", "content": "".join(self.text)})
         return b"".join(
             (
-                _SIZE.pack(len(ids)),
-                struct.pack(f"<{len(ids)}i", *ids),
+                _SIZE.pack(len(self.prompt) // 4),
+                self.prompt,
                 _SIZE.pack(len(out)),
                 struct.pack(f"<{len(out)}i", *out),
                 struct.pack(f"<{len(logprobs)}f", *logprobs),
@@ -213,6 +257,7 @@ def _upstream_body(payload: bytes, *, stream: bool) -> bytes:
 async def worker(port: int, upstream: str, *, record: bool) -> None:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     loop = asyncio.get_running_loop()
+    prompts = PromptCache()
 
     async def run(conn: Framed, op: int, ident: int, body: bytes) -> None:
         async with session.post(upstream, data=body) as response:
@@ -229,12 +274,13 @@ async def worker(port: int, upstream: str, *, record: bool) -> None:
         recording = Recording()
         async with session.post(upstream, data=body) as response:
             if not stream:
-                answer = orjson.loads(await response.read())
+                answer = prompts.parse(await response.read(), recording)
                 recording.read(answer, key="message")
                 client = orjson.dumps(answer)
                 conn.send(ANSWER, ident, _SIZE.pack(len(client)) + client + recording.record())
                 return
             pending = b""
+            first = True
             async for data in response.content.iter_any():
                 events = (pending + data).split(b"\n\n")
                 pending = events.pop()
@@ -242,7 +288,10 @@ async def worker(port: int, upstream: str, *, record: bool) -> None:
                 for event in events:
                     if not event.startswith(b"data: ") or event[6:] == _DONE:
                         continue
-                    chunk = orjson.loads(event[6:])
+                    if first:  # vLLM's prompt ids come on the first chunk
+                        chunk, first = prompts.parse(event[6:], recording), False
+                    else:
+                        chunk = orjson.loads(event[6:])
                     recording.read(chunk, key="delta")
                     out.append(orjson.dumps(chunk))
                 if out:
