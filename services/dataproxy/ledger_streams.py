@@ -33,6 +33,7 @@ from services.dataproxy.turn_ledger import (
     decode_ticket,
 )
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
+from services.runtime.framed import Batch, Sendable
 from services.runtime.grpc_server import as_rollgate_error
 from services.runtime.logs import get_logger
 from services.runtime.tasks import DeadlineSweep, PerLoopTurn, cancel_and_wait
@@ -55,9 +56,7 @@ class _Stream:
     by a callback scheduled after them (`direct`: a framed stream's send), or queued for
     `serve` to yield (a gRPC stream's). The queue also carries the stream's end (None)."""
 
-    def __init__(
-        self, direct: Callable[[dataproxy_pb2.LedgerResponses], None] | None = None
-    ) -> None:
+    def __init__(self, direct: Callable[[Sendable], None] | None = None) -> None:
         self.answers: asyncio.Queue[dataproxy_pb2.LedgerResponse | None] = asyncio.Queue()
         # lease token → ticket of turns admitted here, neither recorded nor released yet.
         self.admitted: dict[str, bytes] = {}
@@ -66,9 +65,7 @@ class _Stream:
         self.ops: dict[asyncio.Future[Any], float] = {}
         self.direct: PerLoopTurn[dataproxy_pb2.LedgerResponse] | None = None
         if direct is not None:
-            self.direct = PerLoopTurn(
-                lambda answers: direct(dataproxy_pb2.LedgerResponses(answers=answers))
-            )
+            self.direct = PerLoopTurn(lambda answers: direct(Batch(answers)))
 
     def put(self, answer: dataproxy_pb2.LedgerResponse) -> None:
         if self.direct is not None:
@@ -119,7 +116,7 @@ class LedgerStreams:
         self,
         requests: AsyncIterator[dataproxy_pb2.LedgerRequests],
         *,
-        send: Callable[[dataproxy_pb2.LedgerResponses], None] | None = None,
+        send: Callable[[Sendable], None] | None = None,
     ) -> AsyncIterator[dataproxy_pb2.LedgerResponses]:
         """One stream's answers, until the gateway closes its side (and what it asked is
         answered) or this process shuts the stream down. Each message carries every answer

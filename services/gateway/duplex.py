@@ -19,11 +19,12 @@ import asyncio
 from typing import Any, Generic, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
-from services.runtime.framed import FramedCall, PeerStream
+from services.runtime.framed import Batch, FramedCall, PeerStream
 from services.runtime.tasks import cancel_and_wait
 
-Op = TypeVar("Op")
+Op = TypeVar("Op", bound=Message)
 
 
 class BatchedCall(Generic[Op]):
@@ -113,7 +114,7 @@ class BatchedCall(Generic[Op]):
             return
         ops, self._outbox = self._outbox, []
         try:
-            direct.send_now(self._batch(ops))
+            direct.send_now(Batch(ops))
         except Exception as err:  # a message too large, a connection that just broke
             self._write_failed(err)
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 from protos import worker_pb2
 from services.runtime.errors import RollgateError, Unavailable
+from services.runtime.framed import Batch, Sendable
 from services.runtime.grpc_server import as_rollgate_error, check_request_strings
 from services.runtime.logs import get_logger
 from services.runtime.tasks import PerLoopTurn, cancel_and_wait
@@ -93,7 +94,7 @@ class _Stream:
     `TurnEvents`, written by a callback scheduled after them (`direct`: a framed stream's
     send) or yielded by `serve` (a gRPC stream's)."""
 
-    def __init__(self, direct: Callable[[worker_pb2.TurnEvents], None] | None = None) -> None:
+    def __init__(self, direct: Callable[[Sendable], None] | None = None) -> None:
         self.outbox: list[worker_pb2.TurnEvent] = []
         self.ready = asyncio.Event()
         self.turns: dict[int, _Turn] = {}
@@ -102,7 +103,7 @@ class _Stream:
         self.ended = False
         self._direct: PerLoopTurn[worker_pb2.TurnEvent] | None = None
         if direct is not None:
-            self._direct = PerLoopTurn(lambda events: direct(worker_pb2.TurnEvents(events=events)))
+            self._direct = PerLoopTurn(lambda events: direct(Batch(events)))
 
     def send(self, event: worker_pb2.TurnEvent) -> None:
         if self._direct is not None:
@@ -183,7 +184,7 @@ class TurnStreams:
         self,
         requests: AsyncIterator[worker_pb2.TurnOps],
         *,
-        send: Callable[[worker_pb2.TurnEvents], None] | None = None,
+        send: Callable[[Sendable], None] | None = None,
     ) -> AsyncIterator[worker_pb2.TurnEvents]:
         """One stream's events until the gateway closes its side (and its turns are done) or
         this process shuts the stream down; each message carries every event that was ready.

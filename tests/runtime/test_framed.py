@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from protos import worker_pb2
+from protos import dataproxy_pb2, worker_pb2
 from rollgate.redis_server import free_port
 from services.runtime import framed
-from services.runtime.framed import FramedCall, FramedServer, PeerStream, framed_host
+from services.runtime.framed import Batch, FramedCall, FramedServer, PeerStream, framed_host
 from services.runtime.settings import Sources, framed_port
 from tests.harness.poll import eventually
 
@@ -335,3 +335,33 @@ async def test_a_broken_connection_ends_a_listener_with_unavailable() -> None:
             await ended.wait()
         error = call.ended_by()
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_a_batch_encodes_exactly_as_the_message_that_repeats_its_items(count: int) -> None:
+    # Items of every size class of their length's varint (1, 2 and 3 bytes), in the four
+    # batch messages the streams send.
+    sizes = [10, 300, 70_000][:count]
+    ops = [worker_pb2.TurnOp(id=i + 1) for i in range(count)]
+    for op, size in zip(ops, sizes, strict=True):
+        op.start.request.request_json = b"x" * size
+    events = [worker_pb2.TurnEvent(id=i + 1, error_json=b"e" * s) for i, s in enumerate(sizes)]
+    requests = [
+        dataproxy_pb2.LedgerRequest(
+            id=i + 1, record=dataproxy_pb2.RecordTurn(request_json=b"r" * s)
+        )
+        for i, s in enumerate(sizes)
+    ]
+    answers = [
+        dataproxy_pb2.LedgerResponse(id=i + 1, error_json=b"a" * s) for i, s in enumerate(sizes)
+    ]
+    cases = [
+        (worker_pb2.TurnOps(ops=ops), ops),
+        (worker_pb2.TurnEvents(events=events), events),
+        (dataproxy_pb2.LedgerRequests(ops=requests), requests),
+        (dataproxy_pb2.LedgerResponses(answers=answers), answers),
+    ]
+    for message, items in cases:
+        encoded = Batch(items).SerializeToString()
+        assert encoded == message.SerializeToString()
+        assert type(message).FromString(encoded) == message
