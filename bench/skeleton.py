@@ -326,6 +326,13 @@ class Peer:
         if queue is not None:
             queue.put_nowait((op, payload))
 
+    def open(self, op: int, ident: int, payload: bytes) -> asyncio.Queue[tuple[int, bytes]]:
+        """Sends `op`; the queue its answer's frames come to (`waiting` until removed)."""
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self.waiting[ident] = queue
+        self.conn.send(op, ident, payload)
+        return queue
+
     async def ask(self, op: int, ident: int, payload: bytes) -> bytes:
         queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
         self.waiting[ident] = queue
@@ -334,6 +341,12 @@ class Peer:
             return (await queue.get())[1]
         finally:
             del self.waiting[ident]
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    return response
 
 
 def _split(body: bytes) -> tuple[bool, bytes]:
@@ -367,11 +380,8 @@ def gateway(port: int, dataproxy_port: int, worker_port: int, *, record: bool) -
             answer = await worker_peer.ask(START, ident, body)
             await peers["dataproxy"].ask(RECORD, ident, answer[:64])
             return web.Response(body=answer, content_type="application/json")
-        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
-        worker_peer.waiting[ident] = queue
-        worker_peer.conn.send(START_STREAM, ident, body)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
+        queue = worker_peer.open(START_STREAM, ident, body)
+        response = await _sse(request)
         try:
             while True:
                 op, data = await queue.get()
@@ -398,11 +408,8 @@ def gateway(port: int, dataproxy_port: int, worker_port: int, *, record: bool) -
             (size,) = _SIZE.unpack_from(answer)
             await peers["dataproxy"].ask(RECORD, ident, answer[4 + size :] + recorded)
             return web.Response(body=answer[4 : 4 + size], content_type="application/json")
-        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
-        worker_peer.waiting[ident] = queue
-        worker_peer.conn.send(START_STREAM, ident, start)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
+        queue = worker_peer.open(START_STREAM, ident, start)
+        response = await _sse(request)
         try:
             while True:
                 op, data = await queue.get()
