@@ -93,7 +93,7 @@ class PromptIdsCache:
         self._max_bytes = max_bytes
         self._entries: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._bytes = 0
-        # Ids taken from an earlier prompt and ids parsed (what the tests and metrics read).
+        # Ids taken from an earlier prompt and ids parsed (what the tests read).
         self.reused = 0
         self.parsed = 0
 
