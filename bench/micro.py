@@ -92,8 +92,10 @@ async def ledger(redis_url: str, *, turns: int, batch: int) -> float:
             inbox: asyncio.Queue[dataproxy_pb2.LedgerRequests | None] = asyncio.Queue()
             waiting: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
 
-            def send(answers: dataproxy_pb2.LedgerResponses) -> None:
-                for answer in answers.answers:
+            def send(message: Any) -> None:
+                # What the framed stream would write (a Batch of answers), as its bytes.
+                raw = message.SerializeToString()
+                for answer in dataproxy_pb2.LedgerResponses.FromString(raw).answers:
                     if answer.id:
                         waiting.pop(answer.id).set_result(answer)
 
@@ -259,8 +261,10 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
             while True:
                 yield await ops.get()
 
-        def send(message: worker_pb2.TurnEvents) -> None:
-            for event in message.events:
+        def send(message: Any) -> None:
+            # What the framed stream would write (a Batch of TurnEvents), as its bytes.
+            events = worker_pb2.TurnEvents.FromString(message.SerializeToString()).events
+            for event in events:
                 if event.HasField("generated"):
                     counted[event.id] = counted.get(event.id, 0) + len(
                         event.generated.chunks.chunks

@@ -22,6 +22,7 @@ import pytest
 from protos import worker_pb2
 from rollgate.mock_llm import MockLLM
 from services.runtime.errors import RollgateError, UpstreamError, UpstreamTimeout, from_payload
+from services.runtime.framed import Sendable
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.secret import Secret
 from services.worker.adapters import adapter_for
@@ -54,8 +55,9 @@ class Turns:
         while (ops := await self.ops.get()) is not None:
             yield ops
 
-    def take(self, message: worker_pb2.TurnEvents) -> None:
-        for event in message.events:
+    def take(self, message: Sendable) -> None:
+        # What the framed stream would write: a TurnEvents (a Batch of them), as its bytes.
+        for event in worker_pb2.TurnEvents.FromString(message.SerializeToString()).events:
             self.events[event.id].append(event)
 
     def _op(self, op: worker_pb2.TurnOp) -> None:
