@@ -90,7 +90,9 @@ async def test_turns_started_together_go_out_as_one_message_without_a_task(
         original = getattr(FramedCall, name)
 
         def counted(self: Any, message: Any, _name: str = name, _original: Any = original) -> Any:
-            writes.append(f"{_name}:{len(message.ops)}")
+            # What goes on the wire: a TurnOps (the direct write hands over a Batch of ops).
+            ops = worker_pb2.TurnOps.FromString(message.SerializeToString()).ops
+            writes.append(f"{_name}:{len(ops)}")
             return _original(self, message)
 
         monkeypatch.setattr(FramedCall, name, counted)
