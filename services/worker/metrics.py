@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from services.runtime.errors import RollgateError
 from services.runtime.metrics import DURATION_BUCKETS, Children, ServiceMetrics
@@ -65,6 +69,8 @@ class WorkerMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        # Read when scraped, from the runner's prompt cache: nothing on the hot path.
+        registry.register(_PromptIds(runner))
         self._turns = Children(self.turns)
         self._tokens = Children(self.tokens)
         self._exact = Children(self.exact)
@@ -85,6 +91,26 @@ class WorkerMetrics:
         """Counts a turn that failed (its code is bounded: the error tree's codes)."""
         self._turns(_flag(stream), err.code).inc()
         self.upstream_errors.labels(kind=err.code).inc()
+
+
+class _PromptIds(Collector):
+    """`rollgate_worker_prompt_token_ids_total`: the prompt ids of answers read through the
+    prompt cache (services/worker/prompt_ids.py), reused from an earlier prompt or parsed."""
+
+    def __init__(self, runner: TurnRunner) -> None:
+        self._runner = runner
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        cache = self._runner.prompt_ids
+        family = CounterMetricFamily(
+            "rollgate_worker_prompt_token_ids",
+            "Prompt token ids of answers read through the worker's prompt cache: reused from "
+            "an earlier prompt that began alike, or parsed.",
+            labels=["source"],
+        )
+        family.add_metric(["reused"], cache.reused)
+        family.add_metric(["parsed"], cache.parsed)
+        yield family
 
 
 def _flag(value: bool) -> str:

@@ -16,6 +16,8 @@ from protos import worker_pb2
 from rollgate.mock_llm.plan import prompt_token_ids
 from schema.packing import pack_int32
 from services.runtime.errors import UpstreamError
+from services.runtime.metrics import ServiceMetrics
+from services.worker.metrics import WorkerMetrics
 from services.worker.prompt_ids import PromptIdsCache, cut_prompt_ids
 from tests.worker.harness import mock_and_worker, unpacked
 
@@ -214,3 +216,23 @@ async def test_a_unary_turn_reads_its_prompt_ids_through_the_cache_too() -> None
             cache = worker.runner.prompt_ids
             assert cache.reused == turn * len(prompt_token_ids(messages))
         assert cache.parsed == len(prompt_token_ids(messages))
+
+
+async def test_the_workers_metrics_count_the_prompt_ids_reused_and_parsed() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief. " * 300},
+        {"role": "user", "content": "hi"},
+    ]
+    async with mock_and_worker(kind="vllm") as (_, worker):
+        service = ServiceMetrics("worker")
+        WorkerMetrics(service, worker.runner)
+        for _ in range(2):
+            await _streamed_record(worker.stub, messages)
+
+    def sample(source: str) -> float | None:
+        return service.registry.get_sample_value(
+            "rollgate_worker_prompt_token_ids_total", {"source": source}
+        )
+
+    ids = len(prompt_token_ids(messages))
+    assert (sample("reused"), sample("parsed")) == (ids, ids)
