@@ -20,7 +20,8 @@ from schema.trajectory import (
     VERSIONS_FROM_CHUNKS,
     copied_from_turn,
 )
-from services.dataproxy.turns import common_prefix, decode_turns
+from services.dataproxy.turns import decode_turns
+from services.runtime.prefix import common_prefix
 
 # A prompt shares ids with an earlier interaction only from this many on: below it the
 # `prompt_prefix` map costs about what it saves.

@@ -19,6 +19,7 @@ from schema.trajectory import (
     VERSIONS_AT_ADMISSION,
     VERSIONS_FROM_CHUNKS,
 )
+from services.runtime.prefix import common_prefix
 
 # A stored `request_json` of 4 KB or more is zlib-compressed (level 1) with `request_codec:
 # "zlib"`. Since turns store only what they add to the episode's previous turn (TurnEncoder),
@@ -74,33 +75,6 @@ def per_token_versions(spans: Sequence[tuple[int, int]], n_output: int) -> list[
     for tokens, version in spans:
         versions.extend([version] * tokens)
     return versions
-
-
-def common_prefix(a: bytes, b: bytes) -> int:
-    """How many leading bytes `a` and `b` share (`startswith` on memoryview slices: memcmp,
-    no copies)."""
-    end = min(len(a), len(b))
-    view = memoryview(a)
-
-    def same(start: int, stop: int) -> bool:
-        return b.startswith(view[start:stop], start)
-
-    if same(0, end):
-        return end
-    low, high = 0, end  # a[:low] == b[:low], a[:high] != b[:high]
-    # The usual miss: the later request ends where the earlier one closed its list.
-    probe = max(0, end - 64)
-    if same(0, probe):
-        low = probe
-    else:
-        high = probe
-    while high - low > 1:
-        middle = (low + high) // 2
-        if same(low, middle):
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 # A turn's request and prompt ids are stored as a prefix of an earlier turn of the same open

@@ -25,6 +25,7 @@ import orjson
 
 from schema.packing import pack_int32
 from services.runtime.errors import UpstreamError
+from services.runtime.prefix import common_prefix
 
 # The key of the array in a chunk (vLLM writes no space after the colon; JSON may).
 _KEY = b'"prompt_token_ids":'
@@ -65,20 +66,6 @@ def _pack_all(text: bytes) -> bytes:
         raise UpstreamError("the upstream sent token ids that are not 32-bit integers") from None
 
 
-def _shared(a: bytes, b: bytes) -> int:
-    """How many leading bytes `a` and `b` share (memcmp on halves, no copies)."""
-    end = min(len(a), len(b))
-    view = memoryview(a)
-    low, high = 0, end + 1  # a[:low] == b[:low]; a[:high] != b[:high] (or past the end)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if b.startswith(view[low:middle], low):
-            low = middle
-        else:
-            high = middle
-    return low
-
-
 class PromptIdsCache:
     """The latest prompt packed per leading `key_bytes` of its text, bounded in count and bytes.
 
@@ -111,7 +98,7 @@ class PromptIdsCache:
 
     def _extend(self, entry: tuple[bytes, bytes], text: bytes) -> bytes | None:
         old_text, old_packed = entry
-        shared = _shared(text, old_text)
+        shared = common_prefix(text, old_text)
         if shared == len(text) == len(old_text):
             self.reused += len(old_packed) // 4
             return old_packed

@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from services.dataproxy.trajectory import EpisodeInfo, build_trajectory
-from services.dataproxy.turns import PriorTurn, PriorTurns, common_prefix, decode_turn, decode_turns
+from services.dataproxy.turns import PriorTurn, PriorTurns, decode_turn, decode_turns
+from services.runtime.prefix import common_prefix
 from tests.dataproxy.large_prompt import prompt_ids, system_prompt, tools
 from tests.dataproxy.turn_records import WithRequest, turn_record
 
