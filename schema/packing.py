@@ -36,12 +36,10 @@ def _unpacked(typecode: str, data: bytes) -> array[Any]:
 
 def pack_int32(values: Iterable[int]) -> bytes:
     """Integers as int32 little-endian bytes (TypeError / OverflowError for other values)."""
-    if isinstance(values, array) and values.typecode == "i" and values.itemsize == WIDTH:
-        if sys.byteorder == "little":
+    if isinstance(values, array) and values.typecode == "i":
+        if sys.byteorder == "little" and values.itemsize == WIDTH:
             return values.tobytes()  # packed already (`int32_array`): one copy
-        swapped = array("i", values)
-        swapped.byteswap()
-        return swapped.tobytes()
+        return _packed("i", values)
     items = values if isinstance(values, list | tuple) else list(values)
     try:
         # Twice as fast as array("i", …) on a prompt's ids (≈ 8 ns an id instead of 17).

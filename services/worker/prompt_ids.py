@@ -20,10 +20,12 @@ int32 is refused as the whole parse refuses it. A miss only means a whole parse.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
 import orjson
 
-from schema.packing import pack_int32
+from schema.packing import int32_array, pack_int32
 from services.runtime.errors import UpstreamError
 from services.runtime.prefix import common_prefix
 
@@ -124,3 +126,40 @@ class PromptIdsCache:
         ):
             _, (old_text, old_packed) = self._entries.popitem(last=False)
             self._bytes -= len(old_text) + len(old_packed)
+
+
+def read_with_prompt_ids(
+    payload: bytes, cache: PromptIdsCache
+) -> tuple[dict[str, Any], Sequence[int]] | None:
+    """`payload` (a chunk or a completion) parsed with its prompt ids cut out first and read
+    through `cache`, and those ids; None when they cannot be cut from it (the caller parses it
+    whole); UpstreamError when they are not int32 ids."""
+    cut = cut_prompt_ids(payload)
+    if cut is None:
+        return None
+    rest, ids = cut
+    try:
+        parsed = orjson.loads(rest)
+    except orjson.JSONDecodeError:
+        return None
+    if type(parsed) is not dict or not _took_prompt_ids(parsed):
+        return None
+    return parsed, int32_array(cache.pack(ids))
+
+
+def _took_prompt_ids(chunk: dict[str, Any]) -> bool:
+    """Whether the prompt ids `cut_prompt_ids` replaced by null were where prompt ids go (top
+    level, else choice 0, as `TurnAccumulator` reads them); the null is removed."""
+    if "prompt_token_ids" in chunk:
+        if chunk["prompt_token_ids"] is not None:
+            return False
+        del chunk["prompt_token_ids"]
+        return True
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+        return False
+    choice = choices[0]
+    if choice.get("index", 0) != 0 or choice.get("prompt_token_ids", False) is not None:
+        return False
+    del choice["prompt_token_ids"]
+    return True

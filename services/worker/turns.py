@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,13 +14,12 @@ import orjson
 
 from chatml.template import render_chatml
 from chatml.tokenizer import LocalTokenizer
-from schema.packing import int32_array
 from services.runtime.errors import UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.adapters import UpstreamAdapter
 from services.worker.http1 import Http1Response, HttpError
 from services.worker.openai_compat import PassThrough, Translator
-from services.worker.prompt_ids import PromptIdsCache, cut_prompt_ids
+from services.worker.prompt_ids import PromptIdsCache, read_with_prompt_ids
 from services.worker.turn import (
     AnswerDelta,
     TurnAccumulator,
@@ -193,44 +192,6 @@ def _abort_chunk(acc: TurnAccumulator) -> dict[str, Any]:
     }
 
 
-def _with_prompt_ids(
-    payload: bytes, cache: PromptIdsCache
-) -> tuple[dict[str, Any], Sequence[int]] | None:
-    """`payload` (a chunk or a completion) parsed with its prompt ids cut out first and read
-    through `cache` (`services/worker/prompt_ids.py`: only the ids an earlier prompt did not
-    have are parsed), and those ids; None when they cannot be cut from it (the caller parses
-    it whole); UpstreamError when they are not int32 ids."""
-    cut = cut_prompt_ids(payload)
-    if cut is None:
-        return None
-    rest, ids = cut
-    try:
-        parsed = orjson.loads(rest)
-    except orjson.JSONDecodeError:
-        return None
-    if type(parsed) is not dict or not _took_prompt_ids(parsed):
-        return None
-    return parsed, int32_array(cache.pack(ids))
-
-
-def _took_prompt_ids(chunk: dict[str, Any]) -> bool:
-    """Whether the prompt ids `cut_prompt_ids` replaced by null were where prompt ids go (top
-    level, else choice 0, as `TurnAccumulator` reads them); the null is removed."""
-    if "prompt_token_ids" in chunk:
-        if chunk["prompt_token_ids"] is not None:
-            return False
-        del chunk["prompt_token_ids"]
-        return True
-    choices = chunk.get("choices")
-    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
-        return False
-    choice = choices[0]
-    if choice.get("index", 0) != 0 or choice.get("prompt_token_ids", False) is not None:
-        return False
-    del choice["prompt_token_ids"]
-    return True
-
-
 def _index_zero(choices: list[Any]) -> bool:
     return not choices or (isinstance(choices[0], dict) and choices[0].get("index", 0) == 0)
 
@@ -325,9 +286,9 @@ class _StreamedAnswer:
 
     def _first_chunk(self, payload: bytes, prompt_ids: PromptIdsCache) -> dict[str, Any]:
         """The first chunk, its prompt ids (vLLM's, a whole prompt's) read through the cache
-        (`_with_prompt_ids`); a chunk they cannot be cut from is parsed whole."""
+        (`read_with_prompt_ids`); a chunk they cannot be cut from is parsed whole."""
         self._prompt_ids = None
-        read = _with_prompt_ids(payload, prompt_ids)
+        read = read_with_prompt_ids(payload, prompt_ids)
         if read is None:
             return _parse_chunk(payload)
         chunk, self._group.main.prompt_token_ids = read
@@ -474,7 +435,7 @@ class TurnRunner:
     def prompt_ids_for(
         self, request: UpstreamRequest, translator: Translator
     ) -> PromptIdsCache | None:
-        """The cache a turn's prompt ids are read through (`_with_prompt_ids`), when the kind
+        """The cache a turn's prompt ids are read through (`read_with_prompt_ids`), when the kind
         records ids, its JSON is the upstream's own chat JSON and the client asked for neither
         the ids (they stay in its answer, read as they come) nor several samples; else None."""
         ask = request.ask
@@ -689,7 +650,7 @@ class TurnRunner:
             ) as response:
                 raw = await self._upstream.read_body(response, deadline=deadline)
             prompt_ids = self.prompt_ids_for(request, translator)
-            read = _with_prompt_ids(raw, prompt_ids) if prompt_ids is not None else None
+            read = read_with_prompt_ids(raw, prompt_ids) if prompt_ids is not None else None
             if read is not None:
                 answer, group.main.prompt_token_ids = read
             else:
