@@ -99,6 +99,21 @@ def summarize(raw: Path, top: int) -> str:
     return "\n".join(out)
 
 
+def summarize_perf(data: Path, top: int) -> str:
+    """Shares by shared object and the top native symbols of one `perf record` file."""
+    out = []
+    for sort, limit in (("dso", 12), ("dso,sym", top)):
+        report = subprocess.run(
+            ["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", sort,
+             "--percent-limit", "0.3"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        rows = [ln for ln in report.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+        out.append(f"  by {sort}:")
+        out += [f"    {row.strip()}" for row in rows[:limit]]
+    return "\n".join(out)
+
+
 async def _load(env: run.Environment, cell: run.Cell, seconds: float) -> tuple[int, int]:
     url = run._urls(env)["rollgate"]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
@@ -150,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", action="store_true", help="no load: CPU each process burns")
     parser.add_argument("--native", action="store_true", help="C frames too (py-spy --native)")
     parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="sample with `perf record` instead of py-spy: CPU by shared object (interpreter, "
+        "uvloop, kernel, protobuf, ...) and the native symbols with the most self time",
+    )
+    parser.add_argument(
         "--cprofile",
         choices=PROFILED,
         help="run this service under cProfile (CPU clock) instead of sampling it with py-spy",
@@ -189,7 +210,17 @@ def main(argv: list[str] | None = None) -> int:
             for name in sorted(names):
                 chosen.setdefault(run.kind_of(name), name)
             spies = {}
-            for kind, name in chosen.items() if args.rate else ():
+            for kind, name in chosen.items() if args.rate and args.perf else ():
+                out = RESULTS / f"perf-{cell.name}-{kind}.data"
+                spies[name] = (
+                    out,
+                    subprocess.Popen(
+                        ["perf", "record", "-F", str(args.rate), "-p", str(pids[name]),
+                         "-o", str(out), "--", "sleep", str(args.seconds)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    ),
+                )  # fmt: skip
+            for kind, name in chosen.items() if args.rate and not args.perf else ():
                 out = RESULTS / f"profile-{cell.name}-{kind}.txt"
                 spies[name] = (
                     out,
@@ -222,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         _show_cprofile(stats, args.top)
     for name, (out, _) in spies.items():
         print(f"\n## {name} ({out})")
-        print(summarize(out, args.top) if out.exists() else "  (py-spy wrote nothing)")
+        if not out.exists():
+            print("  (the profiler wrote nothing)")
+        elif args.perf:
+            print(summarize_perf(out, args.top))
+        else:
+            print(summarize(out, args.top))
     return 0
 
 

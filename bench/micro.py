@@ -300,6 +300,11 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", help="run this checkout's services instead of this one's")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        help="the services' log level (the bench runs them at warning)",
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     led = sub.add_parser("ledger", help="a dataproxy's ledger: CPU per turn")
     led.add_argument("--turns", type=int, default=3000)
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     # costs there), written nowhere.
     terminal, sys.stderr = sys.stderr, open(os.devnull, "w")  # noqa: SIM115
     try:
-        configure_logging(service="micro", json_logs=True)
+        configure_logging(service="micro", json_logs=True, level=args.log_level)
     finally:
         sys.stderr = terminal
     if args.what == "ledger":

@@ -13,12 +13,11 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
-from redis.exceptions import NoScriptError
 
 from protos import common_pb2
 from schema.trajectory import VERSIONS_AT_ADMISSION, VERSIONS_UNCOUNTED
@@ -30,7 +29,6 @@ from services.runtime.logs import get_logger
 
 log = get_logger(__name__)
 
-T = TypeVar("T")
 
 _TICKET_VERSION = 1
 
@@ -128,39 +126,6 @@ def _admission(episode: ActiveEpisode) -> Admission:
     )
 
 
-def _then(
-    reply: asyncio.Future[Any],
-    then: Callable[[Any], T | None],
-    *,
-    or_none: type[BaseException] = NoScriptError,
-) -> asyncio.Future[T | None]:
-    """A future of `then(reply's result)`, resolved from the reply's callback: None when the
-    reply failed with `or_none` (the caller's general path takes over), the error of the
-    reply or of `then` otherwise. Cancelling it leaves the reply alone (read and ignored)."""
-    result: asyncio.Future[T | None] = asyncio.get_running_loop().create_future()
-
-    def done(reply: asyncio.Future[Any]) -> None:
-        if result.done():
-            return
-        if reply.cancelled():
-            result.cancel()
-            return
-        error = reply.exception()
-        if error is not None:
-            if isinstance(error, or_none):
-                result.set_result(None)
-            else:
-                result.set_exception(error)
-            return
-        try:
-            result.set_result(then(reply.result()))
-        except Exception as err:
-            result.set_exception(err)
-
-    reply.add_done_callback(done)
-    return result
-
-
 def encode_ticket(episode: ActiveEpisode) -> bytes:
     """The opaque ticket of an admitted turn: its episode and lease."""
     return bytes(
@@ -237,19 +202,10 @@ class TurnLedger:
         Admission, or with None when the turn was not admitted at once — paused, between
         episodes, an unknown key, a header-mode session to bind, NOSCRIPT: nothing was taken,
         and `begin` decides (it runs the script again). None without a pipelined connection."""
-        turns = self._store.turns
         token, lease_until = self._control.new_lease()
-        reply = turns.send_begin(
-            digest, session_id=session_id, token=token, lease_until=lease_until
+        return self._store.turns.send_begin(
+            digest, session_id=session_id, token=token, lease_until=lease_until, then=_admission
         )
-        if reply is None:
-            return None
-
-        def admitted(raw: Any) -> Admission | None:
-            episode = turns.began_now(raw, digest, session_id=session_id, token=token)
-            return None if episode is None else _admission(episode)
-
-        return _then(reply, admitted)
 
     async def release(self, ticket: bytes) -> None:
         """A turn that ends without a record: its lease goes (once; a second release and a
@@ -292,19 +248,12 @@ class TurnLedger:
         if end.session_done and episode.client_session_id:
             return None
         turn = self._prepare(episode, end)
-        turns = self._store.turns
-        interaction_id = turn.record.interaction_id
-        reply = turns.send_append(
-            episode, interaction_id=interaction_id, record=turn.encode(episode.weight_version)
+        return self._store.turns.send_append(
+            episode,
+            interaction_id=turn.record.interaction_id,
+            record=turn.encode(episode.weight_version),
+            then=lambda index: self._recorded(turn, index),
         )
-        if reply is None:
-            return None
-
-        def recorded(raw: Any) -> RecordedTurn | None:
-            index = turns.appended_now(raw, episode, interaction_id=interaction_id)
-            return None if index is None else self._recorded(turn, index)
-
-        return _then(reply, recorded, or_none=Exception)
 
     def _prepare(self, episode: ActiveEpisode, end: TurnEnd) -> _Turn:
         record = end.record

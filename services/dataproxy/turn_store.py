@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+from redis.exceptions import NoScriptError
 
 from services.dataproxy.binding import EpisodeBinder
 from services.dataproxy.episode_state import (
@@ -43,6 +45,8 @@ from services.runtime.redis_pipeline import PipelinedScripts
 from services.runtime.redis_scripts import text_of
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class TurnStore(StorePart):
@@ -97,27 +101,35 @@ class TurnStore(StorePart):
         )
 
     def send_begin(
-        self, digest: str, *, session_id: str, token: str, lease_until: float
-    ) -> asyncio.Future[Any] | None:
+        self,
+        digest: str,
+        *,
+        session_id: str,
+        token: str,
+        lease_until: float,
+        then: Callable[[ActiveEpisode], T],
+    ) -> asyncio.Future[T | None] | None:
         """`begin_turn`'s first attempt sent now on the pipelined connection, without a task:
-        the future of its reply for `began_now`. None without a pipelined connection."""
+        the future of `then(the episode it admitted the turn to)`, resolved as the reply is
+        read; of None when it did not admit it at once (paused, between episodes, an unknown
+        key, a header-mode session to bind, NOSCRIPT...: nothing was taken, and `begin_turn`
+        decides). None without a pipelined connection."""
         if not isinstance(self._turn_scripts, PipelinedScripts):
             return None
-        return self._scripts.begin_turn.send(
+        script = self._scripts.begin_turn
+
+        def began(reply: Any) -> T | None:
+            began = script.parse(reply)
+            if began.status is not BeginTurn.OK:
+                return None
+            return then(self._episode(began, digest, session_id=session_id, token=token))
+
+        return script.send(
             self._turn_scripts,
             self._begin_call(digest, session_id=session_id, token=token, lease_until=lease_until),
+            then=began,
+            or_none=NoScriptError,
         )
-
-    def began_now(
-        self, reply: Any, digest: str, *, session_id: str, token: str
-    ) -> ActiveEpisode | None:
-        """The episode a `send_begin` reply admitted the turn to; None when it did not at once
-        (paused, between episodes, an unknown key, a header-mode session to bind...: nothing
-        was taken, and `begin_turn` decides)."""
-        began = self._scripts.begin_turn.parse(reply)
-        if began.status is not BeginTurn.OK:
-            return None
-        return self._episode(began, digest, session_id=session_id, token=token)
 
     def _begin_call(
         self, digest: str, *, session_id: str, token: str, lease_until: float
@@ -154,13 +166,30 @@ class TurnStore(StorePart):
         )
 
     def send_append(
-        self, episode: ActiveEpisode, *, interaction_id: str, record: bytes
-    ) -> asyncio.Future[Any] | None:
+        self,
+        episode: ActiveEpisode,
+        *,
+        interaction_id: str,
+        record: bytes,
+        then: Callable[[int], T],
+    ) -> asyncio.Future[T | None] | None:
         """`record_turn`'s first attempt (at the admission's weight version) sent now on the
-        pipelined connection: the future of its reply for `appended_now`. None without one."""
+        pipelined connection: the future of `then(the index it appended the turn at)`,
+        resolved as the reply is read; of None when it was not appended at once (the weight
+        version moved meanwhile: `record_turn` re-encodes it; NOSCRIPT, a failed call:
+        appending is idempotent by interaction id). Unavailable when the episode ended.
+        None without a pipelined connection."""
         if not isinstance(self._turn_scripts, PipelinedScripts):
             return None
-        return self._scripts.append_turn.send(
+        script = self._scripts.append_turn
+
+        def appended(reply: Any) -> T | None:
+            appended = script.parse(reply)
+            if appended.status is AppendTurn.VERSION:
+                return None
+            return then(self._appended(episode, interaction_id, appended))
+
+        return script.send(
             self._turn_scripts,
             self._append_call(
                 episode,
@@ -168,17 +197,9 @@ class TurnStore(StorePart):
                 record=record,
                 expected=episode.weight_version,
             ),
+            then=appended,
+            or_none=Exception,
         )
-
-    def appended_now(
-        self, reply: Any, episode: ActiveEpisode, *, interaction_id: str
-    ) -> int | None:
-        """The index a `send_append` reply appended the turn at; None when the weight version
-        moved meanwhile (`record_turn` re-encodes it); Unavailable when the episode ended."""
-        appended = self._scripts.append_turn.parse(reply)
-        if appended.status is AppendTurn.VERSION:
-            return None
-        return self._appended(episode, interaction_id, appended)
 
     async def record_turn(
         self, episode: ActiveEpisode, *, interaction_id: str, encode: Callable[[int], bytes]

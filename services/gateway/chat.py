@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,7 @@ def parse_chat_body(raw: bytes) -> ChatCall:
 def request_id_of(request: web.Request) -> str:
     """The caller's X-Request-Id when it is usable, else a new one."""
     given = request.headers.get("X-Request-Id", "").strip()
-    return given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else uuid.uuid4().hex
+    return given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else os.urandom(16).hex()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

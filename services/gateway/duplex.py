@@ -45,6 +45,8 @@ class BatchedCall(Generic[Op]):
         self._writing = False
         # The end of our side is written: nothing more goes out.
         self._eof = False
+        # Its tasks' loop (asyncio.get_running_loop costs a getpid system call each time).
+        self.loop = asyncio.get_running_loop()
         self._writer = asyncio.create_task(self._write(), name=f"{name}-writer")
         self._reader = asyncio.create_task(self._reading(), name=f"{name}-reader")
 
@@ -67,7 +69,7 @@ class BatchedCall(Generic[Op]):
         try:
             framed = await self._call.framed()
             if framed is not None:
-                ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                ended: asyncio.Future[None] = self.loop.create_future()
 
                 def end() -> None:
                     if not ended.done():
@@ -102,7 +104,7 @@ class BatchedCall(Generic[Op]):
         if not self._flush_due:
             self._flush_due = True
             # After every callback already scheduled: the other ops of this turn of the loop.
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_due = False

@@ -94,7 +94,7 @@ class WorkerTurn:
         self.received = False
         # True once its last event came, it failed, or it was cancelled.
         self.ended = False
-        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+        self._timer = stream.loop.call_later(timeout_s, self._expire)
 
     async def events(self) -> list[worker_pb2.TurnEvent]:
         """Every event that came since the last call (waits for the first); raises the turn's
@@ -103,7 +103,7 @@ class WorkerTurn:
         while not self._inbox:
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._stream.loop.create_future()
             try:
                 await self._waiter
             finally:

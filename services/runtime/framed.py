@@ -137,6 +137,8 @@ class _Connection(asyncio.Protocol, Generic[In]):
         self.lost = False
         self.on_made: Callable[[], None] | None = None
         self.on_lost: Callable[[], None] | None = None
+        # The connection's loop, once made (asyncio.get_running_loop costs a getpid call).
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Set by `listen`: each message goes straight to it from the read callback (no task
         # wakes per message), and the end to `_on_end` once.
         self._on_message: Callable[[In], None] | None = None
@@ -147,6 +149,7 @@ class _Connection(asyncio.Protocol, Generic[In]):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses; they offer the same calls.
         self.transport = cast("asyncio.Transport", transport)
+        self._loop = asyncio.get_running_loop()
         _tune(transport)
         if self.on_made is not None:
             self.on_made()
@@ -211,7 +214,7 @@ class _Connection(asyncio.Protocol, Generic[In]):
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = (self._loop or asyncio.get_running_loop()).create_future()
 
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
@@ -262,7 +265,7 @@ class _Connection(asyncio.Protocol, Generic[In]):
         while not self._inbox:
             if self.eof or self.lost:
                 return None
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = (self._loop or asyncio.get_running_loop()).create_future()
             try:
                 await self._waiter
             finally:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -46,12 +47,39 @@ DEFAULT_REPLY_TIMEOUT_S = 30.0
 
 
 class _Call:
-    __slots__ = ("answer", "command", "tries")
+    __slots__ = ("answer", "command", "or_none", "then", "tries")
 
-    def __init__(self, command: tuple[Any, ...], answer: asyncio.Future[Any]) -> None:
+    def __init__(
+        self,
+        command: tuple[Any, ...],
+        answer: asyncio.Future[Any],
+        then: Callable[[Any], Any] | None,
+        or_none: type[BaseException] | tuple[type[BaseException], ...],
+    ) -> None:
         self.command = command
         self.answer = answer
+        self.then = then
+        self.or_none = or_none
         self.tries = 0
+
+    def settle(self, reply: Any) -> None:
+        """The reply came: the answer is `then(reply)` (the reply itself without `then`)."""
+        if isinstance(reply, Exception):
+            self.fail(reply)
+        elif self.then is None:
+            self.answer.set_result(reply)
+        else:
+            try:
+                self.answer.set_result(self.then(reply))
+            except Exception as err:
+                self.answer.set_exception(err)
+
+    def fail(self, error: Exception) -> None:
+        """The call failed: None when the caller takes `or_none` errors as "not at once"."""
+        if self.then is not None and isinstance(error, self.or_none):
+            self.answer.set_result(None)
+        else:
+            self.answer.set_exception(error)
 
 
 def _pack(connection: AbstractConnection | None, commands: list[tuple[Any, ...]]) -> list[bytes]:
@@ -115,14 +143,25 @@ class PipelinedScripts:
         self._progress = 0.0
         # Socket writes of commands so far (what the tests count).
         self.writes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> asyncio.Future[Any]:
-        """EVALSHA, sent with everything else queued in this turn of the loop."""
-        return self._queue(("EVALSHA", sha, numkeys, *keys_and_args))
+    def evalsha(
+        self,
+        sha: str,
+        numkeys: int,
+        *keys_and_args: Any,
+        then: Callable[[Any], Any] | None = None,
+        or_none: type[BaseException] | tuple[type[BaseException], ...] = (),
+    ) -> asyncio.Future[Any]:
+        """EVALSHA, sent with everything else queued in this turn of the loop. With `then`,
+        the future's result is `then(reply)`, computed as the reply is read (no second future
+        and callback), or None when the call fails with an `or_none` error; an error of
+        `then` is the future's."""
+        return self._queue(("EVALSHA", sha, numkeys, *keys_and_args), then, or_none)
 
     def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> asyncio.Future[Any]:
         """EVAL (a script Redis does not have cached), sent like EVALSHA."""
-        return self._queue(("EVAL", script, numkeys, *keys_and_args))
+        return self._queue(("EVAL", script, numkeys, *keys_and_args), None, ())
 
     async def aclose(self) -> None:
         """Ends the connection (calls still waiting get ConnectionError)."""
@@ -139,10 +178,19 @@ class PipelinedScripts:
             transport.close()
         self._writer = None
 
-    def _queue(self, command: tuple[Any, ...]) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
+    def _queue(
+        self,
+        command: tuple[Any, ...],
+        then: Callable[[Any], Any] | None,
+        or_none: type[BaseException] | tuple[type[BaseException], ...],
+    ) -> asyncio.Future[Any]:
+        loop = self._loop
+        if loop is None:
+            # The connection, its timer and its callbacks belong to the loop of the first
+            # call (asyncio.get_running_loop costs a getpid system call each time).
+            loop = self._loop = asyncio.get_running_loop()
         answer: asyncio.Future[Any] = loop.create_future()
-        self._queued.append(_Call(command, answer))
+        self._queued.append(_Call(command, answer, then, or_none))
         if len(self._queued) == 1:
             # After every callback already scheduled: the other ops of the same message.
             loop.call_soon(self._flush)
@@ -172,31 +220,33 @@ class PipelinedScripts:
             return
         self.writes += 1
         if self._timer is None:
-            self._progress = asyncio.get_running_loop().time()
+            self._progress = self._time()
             self._arm(self._reply_timeout_s)
 
     def _answer(self, reply: Any) -> None:
-        self._progress = asyncio.get_running_loop().time()
         if not self._sent:
             return  # a reply nothing waits for (cannot happen on a healthy connection)
         call = self._sent.popleft()
-        if call.answer.done():
-            return
-        if isinstance(reply, Exception):
-            call.answer.set_exception(reply)
-        else:
-            call.answer.set_result(reply)
+        self._progress = call.answer.get_loop().time()
+        if not call.answer.done():
+            call.settle(reply)
 
     # The reply deadline
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop or asyncio.get_running_loop()
+
+    def _time(self) -> float:
+        return self._running_loop().time()
+
     def _arm(self, after_s: float) -> None:
-        self._timer = asyncio.get_running_loop().call_later(after_s, self._check_deadline)
+        self._timer = self._running_loop().call_later(after_s, self._check_deadline)
 
     def _check_deadline(self) -> None:
         self._timer = None
         if not self._sent:
             return
-        waited = asyncio.get_running_loop().time() - self._progress
+        waited = self._time() - self._progress
         if waited < self._reply_timeout_s:
             self._arm(self._reply_timeout_s - waited)
             return
@@ -206,7 +256,7 @@ class PipelinedScripts:
         sent, self._sent = list(self._sent), collections.deque()
         for call in sent:
             if not call.answer.done():
-                call.answer.set_exception(error)
+                call.fail(error)
         self._drop(self._protocol, RedisConnectionError("the Redis connection timed out"))
 
     # The connection
@@ -263,7 +313,7 @@ class PipelinedScripts:
             if call.tries <= self._retries:
                 again.append(call)
             else:
-                call.answer.set_exception(error)
+                call.fail(error)
         self._sent.clear()
         self._queued = again
         if transport is not None:
@@ -275,7 +325,7 @@ class PipelinedScripts:
     def _fail_all(self, error: Exception) -> None:
         for call in (*self._sent, *self._queued):
             if not call.answer.done():
-                call.answer.set_exception(error)
+                call.fail(error)
         self._sent.clear()
         self._queued = []
         if self._timer is not None:

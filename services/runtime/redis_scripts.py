@@ -199,9 +199,17 @@ class Script(Generic[CallT, ReplyT]):
         keys, args = call.keys_and_args()
         return self.parse(await self.lua.run(redis, keys, args))
 
-    def send(self, redis: PipelinedScripts, call: CallT) -> asyncio.Future[Any]:
+    def send(
+        self,
+        redis: PipelinedScripts,
+        call: CallT,
+        *,
+        then: Callable[[Any], Any] | None = None,
+        or_none: type[BaseException] | tuple[type[BaseException], ...] = (),
+    ) -> asyncio.Future[Any]:
         """EVALSHA on a pipelined connection, sent with what else this turn of the loop asks
-        for: the future of its raw reply (`parse` it), without a coroutine. NOSCRIPT is the
-        future's error: `run` falls back to EVAL."""
+        for: the future of its raw reply (`parse` it), without a coroutine; with `then`, of
+        `then(raw reply)`, or None when the call fails with an `or_none` error
+        (`PipelinedScripts.evalsha`). NOSCRIPT is an error: `run` falls back to EVAL."""
         keys, args = call.keys_and_args()
-        return redis.evalsha(self.lua.sha, len(keys), *keys, *args)
+        return redis.evalsha(self.lua.sha, len(keys), *keys, *args, then=then, or_none=or_none)

@@ -24,16 +24,21 @@ class PerLoopTurn(Generic[T]):
     turn add theirs first), without a task waking per item. `flush_now` hands on what is
     waiting at once (a stream about to end)."""
 
-    __slots__ = ("_flush", "_items")
+    __slots__ = ("_flush", "_items", "_loop")
 
     def __init__(self, flush: Callable[[list[T]], None]) -> None:
         self._flush = flush
         self._items: list[T] = []
+        # The loop of the first put (asyncio.get_running_loop costs a getpid system call).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def put(self, item: T) -> None:
         self._items.append(item)
         if len(self._items) == 1:
-            asyncio.get_running_loop().call_soon(self.flush_now)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self.flush_now)
 
     def flush_now(self) -> None:
         items, self._items = self._items, []

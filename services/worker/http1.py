@@ -79,11 +79,14 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self._head = bytearray()
         self.paused = False
+        # Its loop, once made (asyncio.get_running_loop costs a getpid system call each time).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -219,8 +222,11 @@ class Http1Response:
         self._sink: BodySink | None = None
         self._sink_ended = False
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        return self._connection.loop or asyncio.get_running_loop()
+
     def _arm(self, deadline: float) -> None:
-        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+        self._timer = self._running_loop().call_at(deadline, self._expire)
 
     def _expire(self) -> None:
         self._timer = None
@@ -325,7 +331,7 @@ class Http1Response:
     async def _wait(self) -> None:
         if self._error is not None:
             raise self._error
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        waiter = self._waiter = self._running_loop().create_future()
         try:
             await waiter
         finally:
