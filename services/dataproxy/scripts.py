@@ -21,7 +21,7 @@ from services.runtime.redis_scripts import (
 # -- session transitions: begin and append a turn, set a reward, bind and publish episodes --
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class BeginTurnCall(ScriptCall):
     """begin_turn.lua: resolves the key's episode and takes the turn's in-flight lease."""
 
@@ -51,7 +51,7 @@ class BeginTurn(ScriptStatus):
     PAUSED = "paused"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class BeganTurn:
     """begin_turn.lua's reply; `epoch` is the session's episode count when NEW."""
 
@@ -76,7 +76,7 @@ class BeganTurn:
         )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class AppendTurnCall(ScriptCall):
     """append_turn.lua: appends a turn to its still-active episode, releases its lease."""
 
@@ -110,7 +110,7 @@ class AppendTurn(ScriptStatus):
     VERSION = "version"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class AppendedTurn:
     """append_turn.lua's reply: the turn's index (the current weight version on VERSION)."""
 

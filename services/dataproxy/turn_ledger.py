@@ -33,7 +33,7 @@ log = get_logger(__name__)
 _TICKET_VERSION = 1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class Admission:
     """An admitted turn: the ticket the gateway hands back, its version and session."""
 
@@ -44,7 +44,7 @@ class Admission:
     token: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class TurnEnd:
     """What the gateway sends when the worker's answer is complete."""
 
@@ -62,7 +62,7 @@ class TurnEnd:
     spans: Sequence[tuple[int, int]] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class RecordedTurn:
     """A turn that was appended to its episode."""
 
@@ -71,7 +71,7 @@ class RecordedTurn:
     index: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class TokenVersions:
     """The version of each output token of a turn, or None: all carry the admission version."""
 

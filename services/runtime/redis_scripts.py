@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from types import MappingProxyType
-from typing import Any, ClassVar, Final, Generic, TypeVar
+from typing import Any, ClassVar, Final, Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
@@ -44,8 +44,11 @@ class ScriptStatus(enum.Enum):
 
     @classmethod
     def parse(cls: type[StatusT], raw: bytes | str) -> StatusT:
-        """The member whose value is `raw` (bytes from Redis or str)."""
-        return cls(raw.decode() if isinstance(raw, bytes) else raw)
+        """The member whose value is `raw` (bytes from Redis or str); ValueError when none
+        is (read from the value map: calling the enum class costs ten times as much)."""
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        member = cls._value2member_map_.get(text)
+        return cast(StatusT, member) if member is not None else cls(text)
 
 
 def text_of(value: object) -> str:
@@ -66,9 +69,10 @@ def as_int(reply: Any) -> int:
 
 
 class ScriptCall:
-    """A script's arguments by name; subclasses are frozen dataclasses naming their `.lua`
-    file in SCRIPT. Their fields, in order, are its KEYS (marked KEY) and its ARGV (the rest;
-    a bool is sent as "1"/"0", a float as its repr), then the items of fields marked EACH."""
+    """A script's arguments by name; subclasses are slotted dataclasses (frozen, unless built
+    every turn) naming their `.lua` file in SCRIPT. Their fields, in order, are its KEYS
+    (marked KEY) and its ARGV (the rest; a bool is sent as "1"/"0", a float as its repr),
+    then the items of fields marked EACH."""
 
     __slots__ = ()
     SCRIPT: ClassVar[str] = ""
