@@ -32,7 +32,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 _MAX_REQUEST_ID_LEN = 128
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class ChatCall:
     """What the gateway reads from a chat-completions body; the rest passes through."""
 

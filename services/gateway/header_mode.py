@@ -22,7 +22,7 @@ TURN_TYPES = ("main", "side")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class TurnTags:
     """What a call says about its session: its id, main or side, and whether it is the last."""
 

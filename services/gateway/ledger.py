@@ -88,7 +88,7 @@ class Replica:
                     await self.channel.wait_for_state_change(state)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class Admitted:
     """An admitted turn: its ticket (opaque), weight version and session."""
 
@@ -97,7 +97,7 @@ class Admitted:
     session_id: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class Recorded:
     """A recorded turn: the interaction id it was recorded under, and its session."""
 

@@ -71,7 +71,7 @@ def split_body(body: Mapping[str, Any]) -> tuple[bytes, bytes]:
     return dump_json(recorded), dump_json(params)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class TurnSpec:
     """One turn as a protocol handler hands it to the relay."""
 
@@ -151,7 +151,7 @@ class Delta:
     tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class Chunks:
     """Chat chunks that arrived together, each one SSE `data:` payload."""
 
@@ -169,20 +169,37 @@ class ToolCall:
     arguments: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class Done:
     """The turn is recorded: what was recorded, and the answer's last chunks or delta (the
     ones that arrived with the end travel with it, one write with the end)."""
 
     interaction_id: str
     session_id: str
-    # The recorded assistant message {role, content, reasoning_content?, tool_calls?}.
-    message: dict[str, Any]
-    usage: dict[str, Any]
+    # The recorded assistant message and usage as the worker sent them (JSON objects): read
+    # when asked for (`message`, `usage`), which chat's relay never does.
+    message_json: bytes
+    usage_json: bytes
     finish_reason: str
     model: str
     tail: list[bytes] = field(default_factory=list)
     tail_delta: Delta | None = None
+    _message: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    _usage: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The recorded assistant message {role, content, reasoning_content?, tool_calls?}."""
+        if self._message is None:
+            self._message = _json_object(self.message_json)
+        return self._message
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """The recorded usage ({} when the upstream sent none)."""
+        if self._usage is None:
+            self._usage = _json_object(self.usage_json)
+        return self._usage
 
     @property
     def content(self) -> str:
@@ -542,8 +559,8 @@ class TurnRelay:
         return Done(
             interaction_id=recorded.interaction_id,
             session_id=recorded.session_id,
-            message=_json_object(record.assistant_message_json),
-            usage=_json_object(record.usage_json),
+            message_json=record.assistant_message_json,
+            usage_json=record.usage_json,
             finish_reason=record.finish_reason or "stop",
             model=record.upstream_model or spec.model,
             tail=tail if tail is not None else [],

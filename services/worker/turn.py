@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class ClientAsk:
     """What the client asked to see, read from its body before the worker rewrites it."""
 
@@ -34,7 +34,7 @@ class ClientAsk:
         )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class TurnTiming:
     """When the upstream call ran."""
 
@@ -55,7 +55,7 @@ class TurnSample:
     assistant_message_json: bytes
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class TurnResult:
     """What one LLM call produced; the fields of the `TurnRecord` message, by name."""
 

@@ -61,7 +61,7 @@ class StreamBatch:
     prompt_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class CompletedTurn:
     """A non-streaming turn: the body for the client and the record."""
 

@@ -55,7 +55,7 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _JSON = {"Content-Type": "application/json"}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class ClientRequest:
     """A chat-completions request as the worker gets it: the recorded part as JSON bytes it
     forwards without parsing, and every other field of the body, parsed."""
@@ -65,7 +65,7 @@ class ClientRequest:
     params: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)  # not frozen: built every turn (half the cost)
 class UpstreamRequest:
     """The body the upstream gets, and what the client asked to see."""
 
