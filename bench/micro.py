@@ -89,7 +89,6 @@ async def ledger(redis_url: str, *, turns: int, batch: int) -> float:
             for _ in range(batch):
                 started = await store.start(task_id="micro", api_key="")
                 digests.append(key_digest(started.api_key))
-            inbox: asyncio.Queue[dataproxy_pb2.LedgerRequests | None] = asyncio.Queue()
             waiting: dict[int, asyncio.Future[dataproxy_pb2.LedgerResponse]] = {}
 
             def send(message: Any) -> None:
@@ -99,12 +98,39 @@ async def ledger(redis_url: str, *, turns: int, batch: int) -> float:
                     if answer.id:
                         waiting.pop(answer.id).set_result(answer)
 
-            async def requests() -> AsyncIterator[dataproxy_pb2.LedgerRequests]:
-                while (message := await inbox.get()) is not None:
-                    yield message
+            class Requests:
+                """What a framed connection hands `serve`: each message from its read
+                callback (`listen`), or iterated when the checkout predates that."""
+
+                def __init__(self) -> None:
+                    self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+                    self.on_message: Any = None
+                    self.on_end: Any = None
+
+                def __aiter__(self) -> AsyncIterator[Any]:
+                    return self._iterate()
+
+                async def _iterate(self) -> AsyncIterator[Any]:
+                    while (message := await self.inbox.get()) is not None:
+                        yield message
+
+                def listen(self, on_message: Any, on_end: Any) -> None:
+                    while not self.inbox.empty():  # what came first goes first
+                        on_message(self.inbox.get_nowait())
+                    self.on_message, self.on_end = on_message, on_end
+
+                def put(self, message: Any) -> None:
+                    if message is None and self.on_end is not None:
+                        self.on_end()
+                    elif self.on_message is not None:
+                        self.on_message(message)
+                    else:
+                        self.inbox.put_nowait(message)
+
+            inbox = Requests()
 
             async def serve() -> None:
-                async for _ in streams.serve(requests(), send=send):
+                async for _ in streams.serve(inbox, send=send):  # type: ignore[arg-type]
                     pass
 
             serving = asyncio.create_task(serve())
@@ -121,7 +147,7 @@ async def ledger(redis_url: str, *, turns: int, batch: int) -> float:
                     waiting[op.id] = future = loop.create_future()
                     futures.append(future)
                     message.ops.append(op)
-                inbox.put_nowait(message)
+                inbox.put(message)
                 return list(await asyncio.gather(*futures))
 
             async def one_round() -> None:
@@ -160,7 +186,7 @@ async def ledger(redis_url: str, *, turns: int, batch: int) -> float:
             for _ in range(rounds):
                 await one_round()
             spent = time.process_time() - before
-            inbox.put_nowait(None)
+            inbox.put(None)
             await serving
             return spent / (rounds * batch) * 1e6
     finally:

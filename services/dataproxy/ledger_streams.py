@@ -196,17 +196,51 @@ class LedgerStreams:
     ) -> None:
         try:
             loop = asyncio.get_running_loop()
-            async for batch in requests:
-                for request in batch.ops:
-                    deadline = loop.time() + (request.timeout_s or DEFAULT_OP_TIMEOUT_S)
-                    if not self._now(stream, request, deadline):
-                        self._task(stream, request, deadline)
-                self._sweep.arm()
+            listen = getattr(requests, "listen", None)
+            if listen is not None:
+                # A framed stream: each message is taken from the connection's read
+                # callback (no task wakes per message); this task waits for the end.
+                ended = loop.create_future()
+
+                def take(batch: dataproxy_pb2.LedgerRequests) -> None:
+                    if ended.done():
+                        return  # the stream is ending (or its reader was cancelled)
+                    try:
+                        self._take(stream, batch, loop)
+                    except Exception:  # a bug: the stream cannot be trusted to go on
+                        log.exception("ledger_stream_failed")
+                        end()
+
+                def end() -> None:
+                    if not ended.done():
+                        ended.set_result(None)
+
+                listen(take, end)
+                try:
+                    await ended
+                finally:
+                    end()
+            else:
+                async for batch in requests:
+                    self._take(stream, batch, loop)
         finally:
             # The gateway closed its side (or went away): answer what it asked, then end.
             while stream.ops:
                 await asyncio.wait(set(stream.ops))
             stream.answers.put_nowait(None)
+
+    def _take(
+        self,
+        stream: _Stream,
+        batch: dataproxy_pb2.LedgerRequests,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """Starts each op of one message: sent at once when it can be, else in a task."""
+        for request in batch.ops:
+            deadline = loop.time() + (request.timeout_s or DEFAULT_OP_TIMEOUT_S)
+            if not self._now(stream, request, deadline):
+                self._task(stream, request, deadline)
+        self._sweep.arm()
 
     def _task(self, stream: _Stream, request: dataproxy_pb2.LedgerRequest, deadline: float) -> None:
         """The op in a task of its own: a begin that waits out a pause holds up nothing else."""

@@ -481,6 +481,31 @@ class PeerStream:
         return bool(self._opening.result().cancel())
 
 
+class Requests(Generic[In]):
+    """A framed connection's messages as `serve` reads them: iterated (`async for`: a task
+    wakes per message), or handed to a callback from the connection's read callback as they
+    are read (`listen`: no task wakes; the serve function does its own waiting for the end)."""
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: _Connection[In]) -> None:
+        self._connection = connection
+
+    def __aiter__(self) -> Requests[In]:
+        return self
+
+    async def __anext__(self) -> In:
+        message = await self._connection.next()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    def listen(self, on_message: Callable[[In], None], on_end: Callable[[], None]) -> None:
+        """Every message to `on_message` as it is read (must not raise), then `on_end` once
+        when the peer closed its side or the connection ended (instead of iterating)."""
+        self._connection.listen(on_message, on_end)
+
+
 class FramedServer(Generic[In, Out]):
     """Serves one stream framed: each connection's requests go to `serve`, what it yields (or,
     with `sends`, what it hands to its `send`) goes back; `close` stops listening and ends the
@@ -541,14 +566,11 @@ class FramedServer(Generic[In, Out]):
         return connection
 
     async def _run(self, connection: _Connection[In]) -> None:
-        async def requests() -> AsyncIterator[In]:
-            while (message := await connection.next()) is not None:
-                yield message
-
+        requests = Requests(connection)
         if self._sends:
-            messages = self._serve(requests(), send=self._sender(connection))
+            messages = self._serve(requests, send=self._sender(connection))
         else:
-            messages = self._serve(requests())
+            messages = self._serve(requests)
         try:
             async for message in messages:
                 connection.send(message)

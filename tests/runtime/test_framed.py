@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -322,6 +322,60 @@ async def test_listen_hands_each_message_over_as_it_is_read_then_the_end_once() 
         await eventually(lambda: call._connection.lost, what="the connection closed")
         assert ends == [True]  # once
         assert not call.writable
+
+
+class ListeningEcho:
+    """Echo's answers, but its requests taken through `listen` (from the connection's read
+    callback, no task per message) and sent through `send`; its stream ends with theirs."""
+
+    def __init__(self) -> None:
+        self.ends = 0
+
+    async def serve(
+        self,
+        requests: framed.Requests[worker_pb2.TurnOps],
+        *,
+        send: Callable[[framed.Sendable], None],
+    ) -> AsyncIterator[worker_pb2.TurnEvents]:
+        ended = asyncio.Event()
+
+        def end() -> None:
+            self.ends += 1
+            ended.set()
+
+        requests.listen(
+            lambda batch: send(
+                worker_pb2.TurnEvents(events=[worker_pb2.TurnEvent(id=o.id) for o in batch.ops])
+            ),
+            end,
+        )
+        await ended.wait()
+        return
+        yield  # an async generator that yields nothing: everything went through `send`
+
+
+async def test_a_server_can_take_its_requests_from_the_read_callback() -> None:
+    echo = ListeningEcho()
+    server: FramedServer[worker_pb2.TurnOps, worker_pb2.TurnEvents] = FramedServer(
+        echo.serve,
+        preamble=PREAMBLE,
+        parse=worker_pb2.TurnOps.FromString,
+        name="listening-echo",
+        sends=True,
+    )
+    await server.start("127.0.0.1", 0)
+    try:
+        call = await connect(server.port)
+        for first in range(0, 30, 3):
+            await call.write(ops(first, first + 1, first + 2))
+        await call.done_writing()
+        ids: list[int] = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            ids.extend(event.id for event in message.events)
+        assert ids == list(range(30))
+        assert echo.ends == 1
+    finally:
+        await server.close()
 
 
 async def test_a_broken_connection_ends_a_listener_with_unavailable() -> None:
