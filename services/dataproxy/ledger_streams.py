@@ -33,7 +33,7 @@ from services.dataproxy.turn_ledger import (
     decode_ticket,
 )
 from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
-from services.runtime.framed import Batch, Sendable
+from services.runtime.framed import Batch, Sendable, take_each
 from services.runtime.grpc_server import as_rollgate_error
 from services.runtime.logs import get_logger
 from services.runtime.tasks import DeadlineSweep, PerLoopTurn, cancel_and_wait
@@ -196,33 +196,7 @@ class LedgerStreams:
     ) -> None:
         try:
             loop = asyncio.get_running_loop()
-            listen = getattr(requests, "listen", None)
-            if listen is not None:
-                # A framed stream: each message is taken from the connection's read
-                # callback (no task wakes per message); this task waits for the end.
-                ended = loop.create_future()
-
-                def take(batch: dataproxy_pb2.LedgerRequests) -> None:
-                    if ended.done():
-                        return  # the stream is ending (or its reader was cancelled)
-                    try:
-                        self._take(stream, batch, loop)
-                    except Exception:  # a bug: the stream cannot be trusted to go on
-                        log.exception("ledger_stream_failed")
-                        end()
-
-                def end() -> None:
-                    if not ended.done():
-                        ended.set_result(None)
-
-                listen(take, end)
-                try:
-                    await ended
-                finally:
-                    end()
-            else:
-                async for batch in requests:
-                    self._take(stream, batch, loop)
+            await take_each(requests, lambda batch: self._take(stream, batch, loop), name="ledger")
         finally:
             # The gateway closed its side (or went away): answer what it asked, then end.
             while stream.ops:

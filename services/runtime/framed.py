@@ -506,6 +506,38 @@ class Requests(Generic[In]):
         self._connection.listen(on_message, on_end)
 
 
+async def take_each(requests: AsyncIterator[In], take: Callable[[In], None], *, name: str) -> None:
+    """Hands each request to `take` and returns once they end: a framed stream's (`Requests`)
+    from its connection's read callback, without a task waking per message; any other's
+    (a gRPC stream's) by iterating. An error `take` raises on a framed stream (a bug) is logged
+    and ends the stream; elsewhere it propagates."""
+    listen = getattr(requests, "listen", None)
+    if listen is None:
+        async for request in requests:
+            take(request)
+        return
+    ended = asyncio.get_running_loop().create_future()
+
+    def end() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    def taken(request: In) -> None:
+        if ended.done():
+            return  # the stream is ending (or its reader was cancelled)
+        try:
+            take(request)
+        except Exception:
+            log.exception("framed_stream_failed", stream=name)
+            end()
+
+    listen(taken, end)
+    try:
+        await ended
+    finally:
+        end()
+
+
 class FramedServer(Generic[In, Out]):
     """Serves one stream framed: each connection's requests go to `serve`, what it yields (or,
     with `sends`, what it hands to its `send`) goes back; `close` stops listening and ends the

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 from protos import worker_pb2
 from services.runtime.errors import RollgateError, Unavailable
-from services.runtime.framed import Batch, Sendable
+from services.runtime.framed import Batch, Sendable, take_each
 from services.runtime.grpc_server import as_rollgate_error, check_request_strings
 from services.runtime.logs import get_logger
 from services.runtime.tasks import PerLoopTurn, cancel_and_wait
@@ -230,27 +230,30 @@ class TurnStreams:
             self._drained.set()
 
     async def _read(self, stream: _Stream, requests: AsyncIterator[worker_pb2.TurnOps]) -> None:
-        async for batch in requests:
-            for op in batch.ops:
-                kind = op.WhichOneof("op")
-                if kind == "start":
-                    self._start(stream, op.id, op.start)
-                    continue
-                turn = stream.turns.get(op.id)
-                if turn is None:
-                    continue  # already ended: its last event and this op crossed
-                if kind == "cancel":
-                    del stream.turns[op.id]
-                    if turn.task is not None:
-                        turn.task.cancel()
-                elif kind == "credit_bytes":
-                    turn.grant(op.credit_bytes)
-            if self._closing and not stream.turns:
-                # Shutting down with nothing running here (its starts were refused): it ends
-                # now, so the stop need not wait out a stream opened after it began.
-                stream.end()
+        await take_each(requests, lambda batch: self._take(stream, batch), name="turns")
         stream.read_all = True
         if not stream.turns:
+            stream.end()
+
+    def _take(self, stream: _Stream, batch: worker_pb2.TurnOps) -> None:
+        """Applies one message's ops: starts, cancels, credit."""
+        for op in batch.ops:
+            kind = op.WhichOneof("op")
+            if kind == "start":
+                self._start(stream, op.id, op.start)
+                continue
+            turn = stream.turns.get(op.id)
+            if turn is None:
+                continue  # already ended: its last event and this op crossed
+            if kind == "cancel":
+                del stream.turns[op.id]
+                if turn.task is not None:
+                    turn.task.cancel()
+            elif kind == "credit_bytes":
+                turn.grant(op.credit_bytes)
+        if self._closing and not stream.turns:
+            # Shutting down with nothing running here (its starts were refused): it ends
+            # now, so the stop need not wait out a stream opened after it began.
             stream.end()
 
     def _start(self, stream: _Stream, turn_id: int, start: worker_pb2.TurnStart) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -325,11 +326,13 @@ async def test_listen_hands_each_message_over_as_it_is_read_then_the_end_once() 
 
 
 class ListeningEcho:
-    """Echo's answers, but its requests taken through `listen` (from the connection's read
-    callback, no task per message) and sent through `send`; its stream ends with theirs."""
+    """Echo's answers, its requests taken by `take_each` (a framed stream's: from the
+    connection's read callback, no task per message) and sent through `send`; an op with id
+    `fail_on` makes the taking raise (a bug on the server's side)."""
 
-    def __init__(self) -> None:
-        self.ends = 0
+    def __init__(self, fail_on: int = -1) -> None:
+        self.fail_on = fail_on
+        self.ended = 0
 
     async def serve(
         self,
@@ -337,26 +340,20 @@ class ListeningEcho:
         *,
         send: Callable[[framed.Sendable], None],
     ) -> AsyncIterator[worker_pb2.TurnEvents]:
-        ended = asyncio.Event()
+        def take(batch: worker_pb2.TurnOps) -> None:
+            if any(op.id == self.fail_on for op in batch.ops):
+                raise RuntimeError("a bug")
+            send(worker_pb2.TurnEvents(events=[worker_pb2.TurnEvent(id=o.id) for o in batch.ops]))
 
-        def end() -> None:
-            self.ends += 1
-            ended.set()
-
-        requests.listen(
-            lambda batch: send(
-                worker_pb2.TurnEvents(events=[worker_pb2.TurnEvent(id=o.id) for o in batch.ops])
-            ),
-            end,
-        )
-        await ended.wait()
+        await framed.take_each(requests, take, name="listening-echo")
+        self.ended += 1
         return
         yield  # an async generator that yields nothing: everything went through `send`
 
 
-async def test_a_server_can_take_its_requests_from_the_read_callback() -> None:
-    echo = ListeningEcho()
-    server: FramedServer[worker_pb2.TurnOps, worker_pb2.TurnEvents] = FramedServer(
+@contextlib.asynccontextmanager
+async def listening_server(echo: ListeningEcho) -> AsyncIterator[FramedServer[Any, Any]]:
+    server: FramedServer[Any, Any] = FramedServer(
         echo.serve,
         preamble=PREAMBLE,
         parse=worker_pb2.TurnOps.FromString,
@@ -365,17 +362,43 @@ async def test_a_server_can_take_its_requests_from_the_read_callback() -> None:
     )
     await server.start("127.0.0.1", 0)
     try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def read_ids(call: FramedCall[worker_pb2.TurnEvents]) -> list[int]:
+    ids: list[int] = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        ids.extend(event.id for event in message.events)
+    return ids
+
+
+async def test_a_server_can_take_its_requests_from_the_read_callback() -> None:
+    echo = ListeningEcho()
+    async with listening_server(echo) as server:
         call = await connect(server.port)
         for first in range(0, 30, 3):
             await call.write(ops(first, first + 1, first + 2))
         await call.done_writing()
-        ids: list[int] = []
-        while (message := await call.read()) is not grpc.aio.EOF:
-            ids.extend(event.id for event in message.events)
-        assert ids == list(range(30))
-        assert echo.ends == 1
-    finally:
-        await server.close()
+        assert await read_ids(call) == list(range(30))
+        assert echo.ended == 1
+
+
+async def test_a_request_the_server_fails_to_take_ends_its_stream_not_the_process() -> None:
+    echo = ListeningEcho(fail_on=4)
+    async with listening_server(echo) as server:
+        call = await connect(server.port)
+        await call.write(ops(1, 2))
+        await call.write(ops(3, 4))
+        await call.write(ops(5))
+        assert await read_ids(call) == [1, 2]
+        assert echo.ended == 1
+        # The server goes on: another connection is served.
+        other = await connect(server.port)
+        await other.write(ops(7))
+        await other.done_writing()
+        assert await read_ids(other) == [7]
 
 
 async def test_a_broken_connection_ends_a_listener_with_unavailable() -> None:
