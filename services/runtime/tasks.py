@@ -57,20 +57,25 @@ class DeadlineSweep:
     `interval_s` the owner's `sweep(now)` ends what is past its deadline (loop time) and says
     whether any operation is still under way — the timer runs again only then."""
 
-    __slots__ = ("_interval_s", "_sweep", "_timer")
+    __slots__ = ("_interval_s", "_loop", "_sweep", "_timer")
 
     def __init__(self, sweep: Callable[[float], bool], interval_s: float = DEADLINE_SWEEP_S):
         self._sweep = sweep
         self._interval_s = interval_s
         self._timer: asyncio.TimerHandle | None = None
+        # The loop of the first arm (asyncio.get_running_loop costs a getpid system call).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def arm(self) -> None:
         """Makes sure the sweep runs while operations are under way."""
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._interval_s, self._run)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._interval_s, self._run)
 
     def _run(self) -> None:
         self._timer = None
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         if self._sweep(loop.time()):
             self._timer = loop.call_later(self._interval_s, self._run)
