@@ -7,7 +7,9 @@ its CPU per request (from /proc), the share of samples by where the leaf frame l
 loop's native code, aiohttp, grpc, protobuf, rollgate's modules, …) and the functions with
 the most self time; the raw samples go to bench/results/profile-<cell>-<process>.txt
 (`py-spy`'s raw format, one stack per line, for flame graphs).
-`--idle` measures instead what each process burns with no load at all (CPU ms per second).
+`--idle` measures instead what each process burns with no load at all (CPU ms per second);
+`--perf` samples with `perf record` instead of py-spy: each process's CPU by shared object
+(the interpreter, the kernel, uvloop, upb, orjson...) and the native symbols with the most.
 
 Usage: `.venv/bin/python bench/hotspots.py --cell unary-16 [--seconds 20] [--rate 250]`
 (needs `pip install py-spy`; py-spy reads other processes' memory: root, or ptrace allowed).
@@ -108,10 +110,15 @@ def summarize_perf(data: Path, top: int) -> str:
              "--percent-limit", "0.3"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
-        rows = [ln for ln in report.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
         out.append(f"  by {sort}:")
-        out += [f"    {row.strip()}" for row in rows[:limit]]
+        out += [f"    {row}" for row in perf_rows(report.stdout, limit)]
     return "\n".join(out)
+
+
+def perf_rows(report: str, limit: int) -> list[str]:
+    """The first `limit` rows of a `perf report --stdio` (its comment lines dropped)."""
+    rows = [ln.strip() for ln in report.splitlines() if ln.strip() and not ln.startswith("#")]
+    return rows[:limit]
 
 
 async def _load(env: run.Environment, cell: run.Cell, seconds: float) -> tuple[int, int]:

@@ -13,6 +13,8 @@ worker's Turns stream, as a gateway runs it: + flow control and the TurnEvents i
 Both count this process's CPU (`getrusage`), so the client side the tool plays (the gateway's
 ops, the reader of the turns) is included: compare runs of the same command before and after a
 change, alternating (`--root` runs another checkout's code), not with the bench's numbers.
+`--log-level warning` renders the services' logs as the bench runs them (the default, `info`,
+adds the ledger's per-turn line).
 """
 
 from __future__ import annotations

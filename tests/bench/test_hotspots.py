@@ -82,3 +82,23 @@ def test_the_shim_links_every_package_of_the_checkout() -> None:
     from tests.test_style import PACKAGES
 
     assert sorted(_load("hotspots").PACKAGES) == sorted(PACKAGES)
+
+
+def test_a_perf_report_is_cut_to_its_rows() -> None:
+    hotspots = _load("hotspots")
+    report = (
+        "# To display the perf.data header info, please use --header/--header-only options.\n"
+        "#\n"
+        "# Overhead  Shared Object\n"
+        "# ........  .............\n"
+        "#\n"
+        "    64.36%  libpython3.11.so.1.0\n"
+        "    14.76%  [kernel.kallsyms]\n"
+        "\n"
+        "     6.11%  _message.abi3.so\n"
+    )
+    assert hotspots.perf_rows(report, 2) == [
+        "64.36%  libpython3.11.so.1.0",
+        "14.76%  [kernel.kallsyms]",
+    ]
+    assert len(hotspots.perf_rows(report, 10)) == 3
