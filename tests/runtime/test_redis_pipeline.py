@@ -92,6 +92,51 @@ async def test_a_script_error_is_that_calls_alone(
     assert counting.pipelines == 1
 
 
+async def test_a_call_with_then_answers_what_then_made_of_the_reply(
+    counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
+) -> None:
+    await counting.script_load(SOURCE)
+
+    def then(reply: bytes) -> str:
+        if reply == b"boom":
+            raise ValueError("then refused it")
+        return reply.decode().upper()
+
+    def call(value: str, or_none: type[BaseException] | tuple[()] = ()) -> asyncio.Future[object]:
+        key = f"{key_prefix}{value}"
+        return scripts.evalsha(SCRIPT.sha, 1, key, value, then=then, or_none=or_none)
+
+    answers = await asyncio.gather(
+        call("x"),
+        call("boom"),
+        call("bad"),  # a script error, not one of or_none: the error
+        call("bad", or_none=ResponseError),  # one of or_none: None
+        return_exceptions=True,
+    )
+    assert answers[0] == "X"
+    assert isinstance(answers[1], ValueError)
+    assert isinstance(answers[2], ResponseError)
+    assert answers[3] is None
+    assert counting.pipelines == 1
+
+
+async def test_a_failed_connection_is_none_for_a_call_that_takes_any_error_as_not_now() -> None:
+    client = aioredis.Redis(port=free_port(), socket_connect_timeout=1.0)
+    try:
+        pipelined = PipelinedScripts(client)
+        answers: list[object] = await asyncio.gather(
+            pipelined.evalsha(SCRIPT.sha, 1, "k", "v", then=bytes.decode, or_none=Exception),
+            pipelined.evalsha(SCRIPT.sha, 1, "k", "v", then=bytes.decode),
+            return_exceptions=True,
+        )
+        await pipelined.aclose()
+    finally:
+        await client.aclose()
+    taken, plain = answers
+    assert taken is None
+    assert isinstance(plain, RedisConnectionError)
+
+
 async def test_scripts_redis_forgot_run_with_eval_and_stay_cached(
     counting: CountingRedis, scripts: PipelinedScripts, key_prefix: str
 ) -> None:
