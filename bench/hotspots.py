@@ -9,7 +9,8 @@ the most self time; the raw samples go to bench/results/profile-<cell>-<process>
 (`py-spy`'s raw format, one stack per line, for flame graphs).
 `--idle` measures instead what each process burns with no load at all (CPU ms per second);
 `--perf` samples with `perf record` instead of py-spy: each process's CPU by shared object
-(the interpreter, the kernel, uvloop, upb, orjson...) and the native symbols with the most.
+(the interpreter, the kernel, uvloop, upb, orjson...) and the native symbols with the most;
+`--strace` counts each service's system calls per request (`strace -c`; every worker).
 
 Usage: `.venv/bin/python bench/hotspots.py --cell unary-16 [--seconds 20] [--rate 250]`
 (needs `pip install py-spy`; py-spy reads other processes' memory: root, or ptrace allowed).
@@ -22,6 +23,7 @@ import asyncio
 import collections
 import pstats
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,6 +117,17 @@ def summarize_perf(data: Path, top: int) -> str:
     return "\n".join(out)
 
 
+def strace_calls(table: str, requests: int) -> list[tuple[str, float]]:
+    """`strace -c`'s table as (system call, calls per request), most first."""
+    rows = []
+    for line in table.splitlines():
+        fields = line.split()
+        # % time, seconds, usecs/call, calls, [errors,] syscall
+        if len(fields) in (5, 6) and fields[3].isdigit() and fields[-1] != "total":
+            rows.append((fields[-1], int(fields[3]) / max(requests, 1)))
+    return sorted(rows, key=lambda row: -row[1])
+
+
 def perf_rows(report: str, limit: int) -> list[str]:
     """The first `limit` rows of a `perf report --stdio` (its comment lines dropped)."""
     rows = [ln.strip() for ln in report.splitlines() if ln.strip() and not ln.startswith("#")]
@@ -172,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", action="store_true", help="no load: CPU each process burns")
     parser.add_argument("--native", action="store_true", help="C frames too (py-spy --native)")
     parser.add_argument(
+        "--strace",
+        action="store_true",
+        help="count each service's system calls per request with `strace -c` instead of "
+        "sampling (strace slows the processes: the counts are the point, not the CPU)",
+    )
+    parser.add_argument(
         "--perf",
         action="store_true",
         help="sample with `perf record` instead of py-spy: CPU by shared object (interpreter, "
@@ -217,6 +236,20 @@ def main(argv: list[str] | None = None) -> int:
             for name in sorted(names):
                 chosen.setdefault(run.kind_of(name), name)
             spies = {}
+            if args.strace:
+                args.rate = 0
+                chosen = {n: n for n in names}  # every worker: calls per request add up
+            for name in chosen.values() if args.strace else ():
+                out = RESULTS / f"strace-{cell.name}-{name}.txt"
+                spies[name] = (
+                    out,
+                    subprocess.Popen(
+                        ["strace", "-c", "-f", "-p", str(pids[name]), "-o", str(out)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    ),
+                )  # fmt: skip
+            if args.strace:
+                time.sleep(0.5)  # strace attaches to every thread before the load starts
             for kind, name in chosen.items() if args.rate and args.perf else ():
                 out = RESULTS / f"perf-{cell.name}-{kind}.data"
                 spies[name] = (
@@ -243,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             requests, errors = asyncio.run(_load(env, cell, args.seconds))
             after = env.processes.cpu_split()
             for _, process in spies.values():
+                if args.strace:
+                    process.send_signal(signal.SIGINT)  # strace -c writes its table then
                 process.wait(timeout=60)
     print(f"{cell.title}: {requests} requests, {errors} errors in {args.seconds:.0f} s")
     print("CPU ms per request (user + system):")
@@ -262,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {name} ({out})")
         if not out.exists():
             print("  (the profiler wrote nothing)")
+        elif args.strace:
+            rows = [r for r in strace_calls(out.read_text(), requests) if r[1] >= 0.01]
+            calls = ", ".join(f"{n} {c:.2f}" for n, c in rows[: args.top])
+            print(f"  system calls per request: {calls}")
         elif args.perf:
             print(summarize_perf(out, args.top))
         else:

@@ -102,3 +102,17 @@ def test_a_perf_report_is_cut_to_its_rows() -> None:
         "14.76%  [kernel.kallsyms]",
     ]
     assert len(hotspots.perf_rows(report, 10)) == 3
+
+
+def test_an_strace_table_is_read_as_calls_per_request() -> None:
+    hotspots = _load("hotspots")
+    table = (
+        "% time     seconds  usecs/call     calls    errors syscall\n"
+        "------ ----------- ----------- --------- --------- ----------------\n"
+        " 40.00    0.004000           2      2000           write\n"
+        " 30.00    0.003000           1      3000       120 read\n"
+        "  0.10    0.000010          10         1           brk\n"
+        "------ ----------- ----------- --------- --------- ----------------\n"
+        "100.00    0.007010           1      5001       120 total\n"
+    )
+    assert hotspots.strace_calls(table, 1000) == [("read", 3.0), ("write", 2.0), ("brk", 0.001)]
