@@ -40,6 +40,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+# What `isinstance` takes: the errors a call with `then` answers None for (`or_none`).
+ErrorTypes = type[BaseException] | tuple[type[BaseException], ...]
+
 # A command whose connection was lost is sent again on a new one this many times.
 RETRIES = 3
 # With no socket timeout configured, a reply still must come within this long.
@@ -54,7 +57,7 @@ class _Call:
         command: tuple[Any, ...],
         answer: asyncio.Future[Any],
         then: Callable[[Any], Any] | None,
-        or_none: type[BaseException] | tuple[type[BaseException], ...],
+        or_none: ErrorTypes,
     ) -> None:
         self.command = command
         self.answer = answer
@@ -151,7 +154,7 @@ class PipelinedScripts:
         numkeys: int,
         *keys_and_args: Any,
         then: Callable[[Any], Any] | None = None,
-        or_none: type[BaseException] | tuple[type[BaseException], ...] = (),
+        or_none: ErrorTypes = (),
     ) -> asyncio.Future[Any]:
         """EVALSHA, sent with everything else queued in this turn of the loop. With `then`,
         the future's result is `then(reply)`, computed as the reply is read (no second future
@@ -182,7 +185,7 @@ class PipelinedScripts:
         self,
         command: tuple[Any, ...],
         then: Callable[[Any], Any] | None,
-        or_none: type[BaseException] | tuple[type[BaseException], ...],
+        or_none: ErrorTypes,
     ) -> asyncio.Future[Any]:
         loop = self._loop
         if loop is None:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Final, Generic, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from services.runtime.redis_pipeline import PipelinedScripts
+from services.runtime.redis_pipeline import ErrorTypes, PipelinedScripts
 
 ScriptArg = str | bytes | int | float
 
@@ -209,7 +209,7 @@ class Script(Generic[CallT, ReplyT]):
         call: CallT,
         *,
         then: Callable[[Any], Any] | None = None,
-        or_none: type[BaseException] | tuple[type[BaseException], ...] = (),
+        or_none: ErrorTypes = (),
     ) -> asyncio.Future[Any]:
         """EVALSHA on a pipelined connection, sent with what else this turn of the loop asks
         for: the future of its raw reply (`parse` it), without a coroutine; with `then`, of
