@@ -325,6 +325,79 @@ async def worker(*, port: int, streams: int, clients: int, stage: str) -> str:
         return f"{user + system:.1f} µs CPU per chunk (user {user:.1f}, system {system:.1f})"
 
 
+async def framed(*, messages: int, request_kb: int, ids: int, window: int) -> str:
+    """CPU µs per message of a framed stream, both ends in this process over loopback: the
+    gateway's side sends ledger records the size of an OpenClaw turn's (`request_kb` of
+    request, `ids` prompt token ids), the dataproxy's side parses each and answers it."""
+    from protos import common_pb2, dataproxy_pb2
+    from services.runtime.framed import LEDGER_PREAMBLE, Batch, FramedCall, FramedServer
+
+    async def serve(requests: Any, *, send: Any) -> AsyncIterator[Any]:
+        ended = asyncio.get_running_loop().create_future()
+
+        def on_message(message: Any) -> None:
+            send(Batch([dataproxy_pb2.LedgerResponse(id=op.id) for op in message.ops]))
+
+        requests.listen(on_message, lambda: ended.done() or ended.set_result(None))
+        await ended
+        return
+        yield  # an async generator, as the services' serve functions are
+
+    server: Any = FramedServer(
+        serve,
+        preamble=LEDGER_PREAMBLE,
+        parse=dataproxy_pb2.LedgerRequests.FromString,
+        name="micro",
+        sends=True,
+    )
+    await server.start("127.0.0.1", 0)
+    call: Any = await FramedCall.connect(
+        "127.0.0.1",
+        server.port,
+        preamble=LEDGER_PREAMBLE,
+        parse=dataproxy_pb2.LedgerResponses.FromString,
+        peer="micro",
+    )
+    loop = asyncio.get_running_loop()
+    waiting: dict[int, asyncio.Future[None]] = {}
+
+    def answered(message: Any) -> None:
+        for answer in message.answers:
+            waiting.pop(answer.id).set_result(None)
+
+    call.listen(answered, lambda: None)
+    body = bytes(range(256)) * (request_kb * 4)
+    record = common_pb2.TurnRecord(prompt_token_ids=bytes(4 * ids), interaction_id="micro")
+    next_id = iter(range(1, 1 << 62))
+
+    async def one() -> None:
+        op = dataproxy_pb2.LedgerRequest(id=next(next_id), timeout_s=5)
+        op.record.request_json = body
+        op.record.record.CopyFrom(record)
+        waiting[op.id] = future = loop.create_future()
+        call.send_now(Batch([op]))
+        await future
+
+    async def run(count: int) -> None:
+        sem = asyncio.Semaphore(window)
+
+        async def limited() -> None:
+            async with sem:
+                await one()
+
+        await asyncio.gather(*(limited() for _ in range(count)))
+
+    await run(200)  # warm-up
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    await run(messages)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    await call.done_writing()
+    await server.close()
+    user = (after.ru_utime - before.ru_utime) / messages * 1e6
+    system = (after.ru_stime - before.ru_stime) / messages * 1e6
+    return f"{user + system:.1f} µs CPU per message (user {user:.1f}, system {system:.1f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", help="run this checkout's services instead of this one's")
@@ -343,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--tokens", type=int, default=256)
     wk.add_argument("--interval-ms", type=float, default=4.0)
     wk.add_argument("--stage", choices=["raw", "events", "stream", "turn"], default="turn")
+    fr = sub.add_parser("framed", help="a framed stream's OpenClaw-sized records: CPU per message")
+    fr.add_argument("--messages", type=int, default=4000)
+    fr.add_argument("--request-kb", type=int, default=60)
+    fr.add_argument("--ids", type=int, default=12000)
+    fr.add_argument("--window", type=int, default=4)
     args = parser.parse_args(argv)
     root = Path(args.root).resolve() if args.root else Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root))
@@ -360,6 +438,16 @@ def main(argv: list[str] | None = None) -> int:
         with _redis_url() as url:
             spent = uvloop.run(ledger(url, turns=args.turns, batch=args.batch))
         print(f"ledger ({root}): {spent:.1f} µs CPU per turn (a begin and a record)")
+    elif args.what == "framed":
+        result = uvloop.run(
+            framed(
+                messages=args.messages,
+                request_kb=args.request_kb,
+                ids=args.ids,
+                window=args.window,
+            )
+        )
+        print(f"framed ({root}): {result}")
     else:
         with _mock(args.tokens, args.interval_ms) as port:
             result = uvloop.run(

@@ -43,6 +43,9 @@ from services.runtime.tasks import cancel_and_wait
 log = get_logger(__name__)
 
 _SIZE = struct.Struct(">I")
+# Frames smaller than this are joined into one buffer to write (a vectored write's bookkeeping
+# costs more than copying a few KB); larger ones are written as their pieces.
+_JOINED_BELOW = 16 * 1024
 # As large as a gRPC message may be (trajectories, long prompts).
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
 # A connection that cannot be made in this long is given up (the gRPC stream is used).
@@ -84,11 +87,16 @@ class Batch:
         self.items = items
 
     def SerializeToString(self) -> bytes:
+        return b"".join(self.parts())
+
+    def parts(self) -> list[bytes]:
+        """The batch message's bytes in pieces, each item's serialization one of them (a
+        large frame is written as these pieces: no copy joins them)."""
         parts: list[bytes] = []
         for item in self.items:
             data = item.SerializeToString()
             parts += (_FIELD_1, _varint(len(data)), data)
-        return b"".join(parts)
+        return parts
 
 
 # What `send` writes: a message, or a Batch of them.
@@ -155,32 +163,48 @@ class _Connection(asyncio.Protocol, Generic[In]):
             self.on_made()
 
     def data_received(self, data: bytes) -> None:
+        # Frames are parsed where they lie: in `data` itself while nothing is left over from an
+        # earlier read (the common case: a read holds whole frames), else in the buffer that
+        # collects the pieces of a frame. Only an unfinished frame's bytes are copied, once.
         buffer = self._buffer
-        buffer += data
-        at = 0
         try:
-            if self._expect and not self._preamble_checked():
-                return
-            while len(buffer) - at >= 4:
-                (size,) = _SIZE.unpack_from(buffer, at)
-                if size > MAX_FRAME_BYTES:
-                    raise FrameError(f"a frame of {size} bytes is over {MAX_FRAME_BYTES}")
-                end = at + 4 + size
-                if len(buffer) < end:
-                    break
-                message = self._parse(bytes(buffer[at + 4 : end]))
-                at = end
-                if self._on_message is not None:
-                    self._on_message(message)
-                else:
-                    self._inbox.append(message)
+            if buffer or self._expect:
+                buffer += data
+                if self._expect and not self._preamble_checked():
+                    return
+                with memoryview(buffer) as view:
+                    at = self._frames(view)
+                del buffer[:at]
+            else:
+                with memoryview(data) as view:
+                    at = self._frames(view)
+                    if at < len(data):
+                        buffer += view[at:]
         except (FrameError, DecodeError) as err:
             self.abort(err if isinstance(err, FrameError) else FrameError("a frame did not parse"))
             return
-        if at:
-            del buffer[:at]
         if self._inbox:
             self._wake()
+
+    def _frames(self, view: memoryview) -> int:
+        """Parses and hands on the whole frames at the start of `view`; how many bytes they
+        took."""
+        at = 0
+        parse = self._parse
+        while len(view) - at >= 4:
+            (size,) = _SIZE.unpack_from(view, at)
+            if size > MAX_FRAME_BYTES:
+                raise FrameError(f"a frame of {size} bytes is over {MAX_FRAME_BYTES}")
+            end = at + 4 + size
+            if len(view) < end:
+                break
+            message = parse(view[at + 4 : end])  # type: ignore[arg-type]
+            at = end
+            if self._on_message is not None:
+                self._on_message(message)
+            else:
+                self._inbox.append(message)
+        return at
 
     def _preamble_checked(self) -> bool:
         """True once the preamble came and matched (it is taken off the buffer); FrameError
@@ -246,13 +270,19 @@ class _Connection(asyncio.Protocol, Generic[In]):
     # Frames
 
     def send(self, message: Sendable) -> None:
-        """Queues one frame (raises FrameError when it is too large to send)."""
-        data = message.SerializeToString()
-        if len(data) > MAX_FRAME_BYTES:
-            raise FrameError(f"a message of {len(data)} bytes is over {MAX_FRAME_BYTES}")
+        """Queues one frame (raises FrameError when it is too large to send). A small frame
+        goes as one buffer; a large one (a 60 KB request, a record with a prompt's ids) as its
+        pieces in one vectored write, never copied into one buffer first."""
+        parts = message.parts() if isinstance(message, Batch) else [message.SerializeToString()]
+        size = sum(map(len, parts))
+        if size > MAX_FRAME_BYTES:
+            raise FrameError(f"a message of {size} bytes is over {MAX_FRAME_BYTES}")
         if self.transport is None:
             raise FrameError("the connection is not open")
-        self.transport.write(_SIZE.pack(len(data)) + data)
+        if size < _JOINED_BELOW:
+            self.transport.write(b"".join((_SIZE.pack(size), *parts)))
+        else:
+            self.transport.writelines((_SIZE.pack(size), *parts))
 
     async def drained(self) -> None:
         """Returns once the connection takes more (at once unless the peer is behind)."""

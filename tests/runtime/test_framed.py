@@ -442,3 +442,48 @@ def test_a_batch_encodes_exactly_as_the_message_that_repeats_its_items(count: in
         encoded = Batch(items).SerializeToString()
         assert encoded == message.SerializeToString()
         assert type(message).FromString(encoded) == message
+
+
+def _frames(messages: list[worker_pb2.TurnOps]) -> bytes:
+    out = bytearray()
+    for message in messages:
+        data = message.SerializeToString()
+        out += len(data).to_bytes(4, "big") + data
+    return bytes(out)
+
+
+def test_frames_are_read_whole_however_the_reads_cut_them() -> None:
+    # Parsed where they lie (in a read, or in the buffer collecting an unfinished frame): cut at
+    # every byte, in a read each, many to a read, the last one unfinished until its final byte.
+    messages = [ops(i, credit=i) for i in range(1, 4)] + [
+        worker_pb2.TurnOps(
+            ops=[worker_pb2.TurnOp(id=9, start=worker_pb2.TurnStart(traceparent="t" * 70_000))]
+        )
+    ]
+    wire = _frames(messages)
+    cuts = [[at] for at in range(1, len(_frames(messages[:3])) + 6)]
+    cuts += [[len(wire) - 1], [4, 5, len(wire) - 70_000, len(wire) - 2], []]
+    for cut in cuts:
+        connection: Any = framed._Connection(worker_pb2.TurnOps.FromString)
+        for start, end in zip([0, *cut], [*cut, len(wire)], strict=True):
+            connection.data_received(wire[start:end])
+        assert list(connection._inbox) == messages, cut
+        assert not connection._buffer, cut
+
+
+async def test_a_batch_of_large_and_small_items_crosses_whole() -> None:
+    # A frame over the join threshold goes out as its pieces (a vectored write).
+    async with echo_server() as (server, _):
+        call = await connect(server.port)
+        batch = [
+            worker_pb2.TurnOp(id=1, credit_bytes=1),
+            worker_pb2.TurnOp(id=2, start=worker_pb2.TurnStart(traceparent="p" * 40_000)),
+            worker_pb2.TurnOp(id=3, credit_bytes=3),
+        ]
+        for _ in range(3):
+            call.send_now(Batch(batch))
+        got = []
+        while len(got) < 9:
+            got.extend((event.id, event.size) for event in (await call.read()).events)
+        assert got == [(1, 1), (2, 0), (3, 3)] * 3
+        call.cancel()
