@@ -10,7 +10,7 @@ from services.router.settings import RouterSettings
 def test_defaults_match_the_documented_ones() -> None:
     settings = RouterSettings.from_env({})
     assert (settings.port, settings.redis_prefix) == (50051, "rg:")
-    assert (settings.lease_s, settings.heartbeat_interval_s) == (6.0, 1.0)
+    assert (settings.lease_s, settings.heartbeat_interval_s) == (6.0, 2.0)
     assert settings.redis_url == "redis://127.0.0.1:6379/0"
     assert settings.log_json is None
 

@@ -233,7 +233,7 @@ def test_the_example_file_in_the_repository_loads() -> None:
         )
         assert WorkerSettings.load(src).upstream_kind == upstream.kind
     router = RouterSettings.load(sources_for("router", environ=environ, config_path=str(example)))
-    assert (router.lease_s, router.heartbeat_interval_s, router.forget_after_s) == (6, 1, 60)
+    assert (router.lease_s, router.heartbeat_interval_s, router.forget_after_s) == (6, 2, 60)
 
 
 def test_a_rollgate_file_with_a_rollout_section_stays_a_rollgate_file() -> None:
