@@ -9,6 +9,11 @@ many per read) — CPU per chunk, split user / system. `--stage` stops the worke
 see what each layer costs: `raw` (the HTTP client's reads), `events` (+ SSE), `stream` (+ the
 runner: JSON, record, client view), `turn` (the whole turn on the
 worker's Turns stream, as a gateway runs it: + flow control and the TurnEvents it sends).
+`framed`: a framed stream (`services/runtime/framed.py`) carrying ledger records the size of an
+OpenClaw turn's (`--request-kb` of request, `--ids` prompt token ids), both ends in this process
+over loopback, `--window` at once — CPU per message. A fresh process's malloc returns and
+faults in the heap's top around every large message, which the long-running services do not
+(docs/internals.md): compare its runs with each other only.
 
 Both count this process's CPU (`getrusage`), so the client side the tool plays (the gateway's
 ops, the reader of the turns) is included: compare runs of the same command before and after a

@@ -1,5 +1,6 @@
 """bench/micro.py, one service's hot path in-process: the ledger against a real Redis and a
-worker's streamed turns against the mock upstream, each stage, as a user runs it."""
+worker's streamed turns against the mock upstream, each stage, and OpenClaw-sized records over a
+framed stream, as a user runs it."""
 
 from __future__ import annotations
 
@@ -46,4 +47,11 @@ def test_each_worker_stage_reads_whole_answers(redis_url: str, stage: str) -> No
         "--interval-ms", "0", "--stage", stage,
     )  # fmt: skip
     assert out.startswith(f"worker {stage} (") and "per chunk" in out
+    assert _cpu(out) > 0
+
+
+def test_the_framed_stream_answers_every_record(redis_url: str) -> None:
+    # Each answer is matched to its record by id (a lost or unknown one fails the run).
+    out = _micro(redis_url, "framed", "--messages", "64", "--request-kb", "20", "--ids", "3000")
+    assert out.startswith("framed (") and "per message" in out
     assert _cpu(out) > 0
