@@ -8,8 +8,9 @@ loop's native code, aiohttp, grpc, protobuf, rollgate's modules, …) and the fu
 the most self time; the raw samples go to bench/results/profile-<cell>-<process>.txt
 (`py-spy`'s raw format, one stack per line, for flame graphs).
 `--idle` measures instead what each process burns with no load at all (CPU ms per second);
-`--perf` samples with `perf record` instead of py-spy: each process's CPU by shared object
-(the interpreter, the kernel, uvloop, upb, orjson...) and the native symbols with the most;
+`--perf` samples with `perf record -g` instead of py-spy: each process's CPU by shared object
+(the interpreter, the kernel, uvloop, upb, orjson...), the native symbols with the most self
+time, and the kernel's functions with what they call included (the write path, say);
 `--strace` counts each service's system calls per request (`strace -c`; every worker).
 
 Usage: `.venv/bin/python bench/hotspots.py --cell unary-16 [--seconds 20] [--rate 250]`
@@ -104,17 +105,31 @@ def summarize(raw: Path, top: int) -> str:
 
 
 def summarize_perf(data: Path, top: int) -> str:
-    """Shares by shared object and the top native symbols of one `perf record` file."""
+    """Shares by shared object and the top native symbols of one `perf record -g` file, then
+    the kernel's functions with what they call included (where the system time goes: the
+    write path, the receiver's TCP work done in the writer's softirq, the scheduler)."""
     out = []
     for sort, limit in (("dso", 12), ("dso,sym", top)):
         report = subprocess.run(
             ["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", sort,
-             "--percent-limit", "0.3"],
+             "-g", "none", "--percent-limit", "0.3"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         out.append(f"  by {sort}:")
         out += [f"    {row}" for row in perf_rows(report.stdout, limit)]
+    report = subprocess.run(
+        ["perf", "report", "-i", str(data), "--stdio", "--children", "--sort", "sym",
+         "-g", "none", "--percent-limit", "1"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    out.append("  kernel functions, children included (children %, self %):")
+    out += [f"    {row}" for row in kernel_rows(report.stdout, top)]
     return "\n".join(out)
+
+
+def kernel_rows(report: str, limit: int) -> list[str]:
+    """The kernel's rows (`[k]`) of a `perf report --children`, the first `limit`."""
+    return [row for row in perf_rows(report, 1 << 30) if "[k]" in row][:limit]
 
 
 def strace_calls(table: str, requests: int) -> list[tuple[str, float]]:
@@ -255,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 spies[name] = (
                     out,
                     subprocess.Popen(
-                        ["perf", "record", "-F", str(args.rate), "-p", str(pids[name]),
+                        ["perf", "record", "-g", "-F", str(args.rate), "-p", str(pids[name]),
                          "-o", str(out), "--", "sleep", str(args.seconds)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     ),

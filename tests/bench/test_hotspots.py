@@ -116,3 +116,22 @@ def test_an_strace_table_is_read_as_calls_per_request() -> None:
         "100.00    0.007010           1      5001       120 total\n"
     )
     assert hotspots.strace_calls(table, 1000) == [("read", 3.0), ("write", 2.0), ("brk", 0.001)]
+
+
+def test_the_kernel_rows_of_a_children_report_are_kept() -> None:
+    hotspots = _load("hotspots")
+    report = (
+        "# Children      Self  Symbol\n"
+        "# ........  ........  ......\n"
+        "#\n"
+        "    30.48%     0.00%  [.] 0x00007f4f2fa56240\n"
+        "    14.94%     0.38%  [k] do_syscall_64\n"
+        "     9.67%     0.08%  [.] __GI___libc_write\n"
+        "     7.77%     0.04%  [k] sock_write_iter\n"
+        "     4.77%     0.08%  [k] net_rx_action\n"
+    )
+    assert hotspots.kernel_rows(report, 2) == [
+        "14.94%     0.38%  [k] do_syscall_64",
+        "7.77%     0.04%  [k] sock_write_iter",
+    ]
+    assert len(hotspots.kernel_rows(report, 10)) == 3
