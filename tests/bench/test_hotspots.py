@@ -84,7 +84,7 @@ def test_the_shim_links_every_package_of_the_checkout() -> None:
     assert sorted(_load("hotspots").PACKAGES) == sorted(PACKAGES)
 
 
-def test_a_perf_report_is_cut_to_its_rows() -> None:
+def test_a_perf_report_is_cut_to_its_rows_and_the_kernel_rows_kept() -> None:
     hotspots = _load("hotspots")
     report = (
         "# To display the perf.data header info, please use --header/--header-only options.\n"
@@ -102,6 +102,22 @@ def test_a_perf_report_is_cut_to_its_rows() -> None:
         "14.76%  [kernel.kallsyms]",
     ]
     assert len(hotspots.perf_rows(report, 10)) == 3
+    # A `--children` report: only the kernel's rows are kept for its section.
+    children = (
+        "# Children      Self  Symbol\n"
+        "#\n"
+        "    30.48%     0.00%  [.] 0x00007f4f2fa56240\n"
+        "    14.94%     0.38%  [k] do_syscall_64\n"
+        "     9.67%     0.08%  [.] __GI___libc_write\n"
+        "     7.77%     0.04%  [k] sock_write_iter\n"
+        "     4.77%     0.08%  [k] net_rx_action\n"
+    )
+    kernel = hotspots.kernel_rows(children, 10)
+    assert kernel[:2] == [
+        "14.94%     0.38%  [k] do_syscall_64",
+        "7.77%     0.04%  [k] sock_write_iter",
+    ]
+    assert len(kernel) == 3 and len(hotspots.kernel_rows(children, 1)) == 1
 
 
 def test_an_strace_table_is_read_as_calls_per_request() -> None:
@@ -116,22 +132,3 @@ def test_an_strace_table_is_read_as_calls_per_request() -> None:
         "100.00    0.007010           1      5001       120 total\n"
     )
     assert hotspots.strace_calls(table, 1000) == [("read", 3.0), ("write", 2.0), ("brk", 0.001)]
-
-
-def test_the_kernel_rows_of_a_children_report_are_kept() -> None:
-    hotspots = _load("hotspots")
-    report = (
-        "# Children      Self  Symbol\n"
-        "# ........  ........  ......\n"
-        "#\n"
-        "    30.48%     0.00%  [.] 0x00007f4f2fa56240\n"
-        "    14.94%     0.38%  [k] do_syscall_64\n"
-        "     9.67%     0.08%  [.] __GI___libc_write\n"
-        "     7.77%     0.04%  [k] sock_write_iter\n"
-        "     4.77%     0.08%  [k] net_rx_action\n"
-    )
-    assert hotspots.kernel_rows(report, 2) == [
-        "14.94%     0.38%  [k] do_syscall_64",
-        "7.77%     0.04%  [k] sock_write_iter",
-    ]
-    assert len(hotspots.kernel_rows(report, 10)) == 3
