@@ -230,7 +230,7 @@ class PipelinedScripts:
         if not self._sent:
             return  # a reply nothing waits for (cannot happen on a healthy connection)
         call = self._sent.popleft()
-        self._progress = call.answer.get_loop().time()
+        self._progress = self._time()
         if not call.answer.done():
             call.settle(reply)
 
