@@ -136,7 +136,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     batches = _chunks(request, spec)
     # Read before any header is sent: a failure before the first token is a plain JSON error.
     first = await anext(batches, None)
-    response = web.StreamResponse(headers=chat.SSE_HEADERS)
+    response = chat.EventStream()
     try:
         await response.prepare(request)
         # message_start names the served model and the prompt's length, from the first batch.

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from services.gateway.auth import require_session_key
 from services.gateway.backends import RELAY, SETTINGS
-from services.gateway.chat import SSE_DONE, SSE_HEADERS
+from services.gateway.chat import SSE_DONE, EventStream
 from services.gateway.header_mode import TurnTags, turn_tags
 from services.gateway.http_errors import json_response
 from services.gateway.protocols import Protocol, Route, openai_paths
@@ -300,7 +300,7 @@ async def _stream(
 ) -> web.StreamResponse:
     # The first item comes before any header: an early failure is a plain JSON error.
     first = await anext(items)
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = EventStream()
     await response.prepare(request)
     await response.write(b"".join(builder.start()))
     item: Event = first

@@ -1,0 +1,87 @@
+"""The SSE responses' headers go out with their first event: one write, not two."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.http_writer import StreamWriter
+from aiohttp.test_utils import make_mocked_request
+
+from services.gateway.chat import EventStream
+
+
+class _Transport(asyncio.Transport):
+    """Records each write the response makes (a write and a vectored write alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.writes.append(b"".join(bytes(d) for d in list_of_data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class _Protocol(BaseProtocol):
+    """aiohttp's protocol base on the recording transport, with what a request reads of it."""
+
+    def __init__(self, transport: _Transport) -> None:
+        super().__init__(asyncio.get_running_loop())
+        self.connection_made(transport)
+        self.ssl_context = None
+        self.peername = None
+        self.sockname = None
+
+
+async def _written(events: list[bytes]) -> list[bytes]:
+    transport = _Transport()
+    protocol = _Protocol(transport)
+    writer = StreamWriter(protocol, asyncio.get_running_loop())
+    request = make_mocked_request(
+        "POST", "/v1/chat/completions", writer=writer, protocol=protocol, transport=transport
+    )
+    response = EventStream()
+    await response.prepare(request)
+    for event in events[:-1]:
+        await response.write(event)
+    await response.write_eof(events[-1])
+    return transport.writes
+
+
+async def test_the_headers_and_the_first_event_are_one_write() -> None:
+    first = b'data: {"a": 1}\n\n'
+    writes = await _written([first, b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"])
+    assert len(writes) == 3, writes
+    head, _, body = writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    assert b"Content-Type: text/event-stream" in head
+    assert b"X-Accel-Buffering: no" in head
+    assert body == b"%x\r\n%s\r\n" % (len(first), first)  # the first event, as its chunk
+    assert writes[2].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_a_stream_that_ends_with_its_first_event_is_one_write() -> None:
+    (only,) = await _written([b"data: [DONE]\n\n"])
+    assert only.startswith(b"HTTP/1.1 200 OK")
+    assert only.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+def test_every_event_stream_of_the_gateway_is_one() -> None:
+    """Chat, Responses and Anthropic Messages stream through EventStream, none through a
+    plain StreamResponse (which would send its headers alone)."""
+    gateway = Path(__file__).resolve().parents[2] / "services" / "gateway"
+    plain = [p.name for p in gateway.glob("*.py") if "StreamResponse(" in p.read_text()]
+    assert plain == [], plain
+    users = {p.name for p in gateway.glob("*.py") if "EventStream()" in p.read_text()}
+    assert users == {"chat.py", "messages.py", "responses.py"}
