@@ -188,6 +188,23 @@ def _show_cprofile(stats: Path, top: int) -> None:
         pstats.Stats(str(stats)).strip_dirs().sort_stats(order).print_stats(top)
 
 
+def _idle_report(
+    at_start: dict[str, dict[str, float]], at_end: dict[str, dict[str, float]], seconds: float
+) -> str:
+    """CPU ms per second of each process over the idle period, and of its busy threads."""
+    lines = [f"idle stack, CPU ms per second over {seconds:.0f} s (threads by name):"]
+    for name in sorted(at_end):
+        before = at_start.get(name, {})
+        per_thread = {
+            thread: 1000 * (cpu - before.get(thread, 0.0)) / seconds
+            for thread, cpu in at_end[name].items()
+        }
+        busy = sorted(((ms, t) for t, ms in per_thread.items() if ms > 0), reverse=True)
+        threads = ", ".join(f"{t} {ms:.2f}" for ms, t in busy)
+        lines.append(f"  {name:12s} {sum(per_thread.values()):7.2f}  {threads}".rstrip())
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Profiles the chosen cell (or the idle stack) and prints each process's summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -236,13 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         with run.environment(cell, run_args, Path(tmp)) as env:
             pids = env.processes.pids
             if args.idle:
-                at_start = env.processes.cpu_s()
+                at_start = env.processes.thread_cpu_s()
                 time.sleep(args.seconds)  # the stack idles meanwhile: what is measured
-                at_end = env.processes.cpu_s()
-                print(f"idle stack, CPU ms per second over {args.seconds:.0f} s:")
-                for name in sorted(at_end):
-                    used = 1000 * (at_end[name] - at_start.get(name, at_end[name])) / args.seconds
-                    print(f"  {name:12s} {used:7.2f}")
+                print(_idle_report(at_start, env.processes.thread_cpu_s(), args.seconds))
                 return 0
             asyncio.run(_load(env, cell, args.warmup_s))
             names = [n for n in pids if run.kind_of(n) in PROFILED]

@@ -202,6 +202,24 @@ class Processes:
             used[name] = (int(stat[11]) / self._tick, int(stat[12]) / self._tick)
         return used
 
+    def thread_cpu_s(self) -> dict[str, dict[str, float]]:
+        """CPU seconds used so far by each process's threads, by thread name (threads of one
+        name summed: `python` is the main thread, `event_engine` grpc's pollers)."""
+        used: dict[str, dict[str, float]] = {}
+        for name, pid in self.pids.items():
+            threads: dict[str, float] = {}
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    text = (task / "stat").read_text()
+                except OSError:
+                    continue
+                comm = text[text.index("(") + 1 : text.rindex(")")]
+                stat = text.rsplit(")", 1)[1].split()
+                cpu = (int(stat[11]) + int(stat[12])) / self._tick
+                threads[comm] = threads.get(comm, 0.0) + cpu
+            used[name] = threads
+        return used
+
 
 def kind_of(name: str) -> str:
     """gateway-2 → gateway, worker-1 → worker, skeleton-worker → skeleton; redis, mock and

@@ -4,6 +4,7 @@ shim checkout that starts one service under cProfile and every other one as usua
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,28 @@ def test_an_strace_table_is_read_as_calls_per_request() -> None:
         "100.00    0.007010           1      5001       120 total\n"
     )
     assert hotspots.strace_calls(table, 1000) == [("read", 3.0), ("write", 2.0), ("brk", 0.001)]
+
+
+def test_the_idle_report_names_each_process_s_busy_threads() -> None:
+    hotspots = _load("hotspots")
+    start = {"router": {"python3": 1.0, "event_engine": 0.5}, "floor": {"python3": 2.0}}
+    end = {
+        "router": {"python3": 1.06, "event_engine": 0.53, "grpc_global_tim": 0.0},
+        "floor": {"python3": 2.0},
+    }
+    lines = hotspots._idle_report(start, end, 30.0).splitlines()
+    assert lines[0].startswith("idle stack, CPU ms per second over 30 s")
+    floor, router = lines[1].split(), lines[2].split()
+    assert floor == ["floor", "0.00"]  # nothing busy: no threads listed
+    # 60 ms and 30 ms over 30 s; the thread that used nothing is left out.
+    assert router == ["router", "3.00", "python3", "2.00,", "event_engine", "1.00"]
+
+
+def test_threads_are_read_from_proc_by_name() -> None:
+    run = _load("run")
+    processes = run.Processes()
+    processes.pids = {"me": os.getpid()}
+    threads = processes.thread_cpu_s()["me"]
+    # Named by the kernel: the main thread after the program, others as their creator set.
+    assert threads and all(cpu >= 0 for cpu in threads.values())
+    assert sum(threads.values()) <= processes.cpu_s()["me"] + 0.05
