@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http_writer import StreamWriter
+from aiohttp.http_writer import HttpVersion, HttpVersion10, HttpVersion11, StreamWriter
 from aiohttp.test_utils import make_mocked_request
 
 from services.gateway.chat import EventStream
@@ -44,12 +44,17 @@ class _Protocol(BaseProtocol):
         self.sockname = None
 
 
-async def _written(events: list[bytes]) -> list[bytes]:
+async def _written(events: list[bytes], version: HttpVersion = HttpVersion11) -> list[bytes]:
     transport = _Transport()
     protocol = _Protocol(transport)
     writer = StreamWriter(protocol, asyncio.get_running_loop())
     request = make_mocked_request(
-        "POST", "/v1/chat/completions", writer=writer, protocol=protocol, transport=transport
+        "POST",
+        "/v1/chat/completions",
+        writer=writer,
+        protocol=protocol,
+        transport=transport,
+        version=version,
     )
     response = EventStream()
     await response.prepare(request)
@@ -75,6 +80,17 @@ async def test_a_stream_that_ends_with_its_first_event_is_one_write() -> None:
     (only,) = await _written([b"data: [DONE]\n\n"])
     assert only.startswith(b"HTTP/1.1 200 OK")
     assert only.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_an_http_1_0_client_gets_the_same_writes_unchunked() -> None:
+    first = b'data: {"a": 1}\n\n'
+    writes = await _written([first, b"data: [DONE]\n\n"], HttpVersion10)
+    assert len(writes) == 2, writes
+    head, _, body = writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK")
+    assert b"Transfer-Encoding" not in head
+    assert body == first
+    assert writes[1] == b"data: [DONE]\n\n"
 
 
 def test_every_event_stream_of_the_gateway_is_one() -> None:
