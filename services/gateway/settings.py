@@ -41,8 +41,9 @@ class GatewaySettings(ServiceSettings):
     end_session_timeout_s: float = 30.0
     # Deadline for each health check behind /ready.
     ready_timeout_s: float = 2.0
-    # How often /health's cached count of live workers is refreshed from the router.
-    health_workers_refresh_s: float = 2.0
+    # How often /health's count of live workers is refreshed from the router when no /health
+    # asks (a /health refreshes a count older than 2 s itself: services.gateway.health).
+    health_workers_refresh_s: float = 10.0
     route_cache_ttl_s: float = 5.0
     route_cache_size: int = 100_000
     # The console (/console): how long a login cookie lives without use (renewed while the

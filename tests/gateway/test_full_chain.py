@@ -216,6 +216,30 @@ async def test_health_reports_the_live_workers_without_asking_the_router(stack: 
     )
 
 
+async def test_a_stale_health_count_is_refreshed_for_the_next_health(
+    stack: Stack, dead_address: str
+) -> None:
+    # The background refresh runs every 10 s; a worker registered now is counted within the
+    # poll because a /health that finds the count older than 2 s refreshes it (its lease, 6 s,
+    # keeps it live meanwhile; nothing here calls /ready, which would count it too).
+    channel = open_channel(stack.router_addr)
+    try:
+        await router_pb2_grpc.RouterStub(channel).RegisterWorker(
+            router_pb2.RegisterWorkerRequest(worker_id="a-new", address=dead_address),
+            timeout=5,
+        )
+
+        async def counted() -> int:
+            async with stack.http.get(stack.url + "/health") as resp:
+                assert resp.status == 200
+                workers: int = (await resp.json())["workers"]
+                return workers
+
+        await eventually(counted, want=2, timeout_s=5.0, interval_s=0.05)
+    finally:
+        await channel.close()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_unknown_model_is_404_from_the_router_and_releases_the_admitted_turn(
     stack: Stack, redis_client: aioredis.Redis, stream: bool
