@@ -208,17 +208,31 @@ def build_upstream_request(
 
 
 class SseParser:
-    """Splits an SSE byte stream into `data:` payloads, across arbitrary read boundaries."""
+    """Splits an SSE byte stream into `data:` payloads, across arbitrary read boundaries.
+
+    A read without a line end is only kept (no copy, no scan of what came before: an event of
+    a prompt's ids is 70 KB and can come in several reads); the pieces of a line are joined
+    once, when its end comes, and a payload is copied out of its line once."""
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._partial: list[bytes] = []  # the unfinished line's pieces
         self._data: list[bytes] = []
 
     def feed(self, data: bytes) -> list[bytes]:
         """The payloads of every event completed by `data`."""
-        self._pending += data
-        lines = self._pending.split(b"\n")
-        self._pending = lines.pop()
+        partial = self._partial
+        if data.rfind(b"\n") < 0:  # from the end: at once for a read that ends an event
+            if data:
+                partial.append(data)
+            return []
+        if partial:
+            partial.append(data)
+            data = b"".join(partial)
+            partial.clear()
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if rest:
+            partial.append(rest)
         events: list[bytes] = []
         for raw in lines:
             line = raw.removesuffix(b"\r")
@@ -226,15 +240,18 @@ class SseParser:
                 if self._data:
                     events.append(b"\n".join(self._data))
                     self._data = []
+            elif line.startswith(b"data: "):
+                self._data.append(line[6:])
             elif line.startswith(b"data:"):
-                self._data.append(line[5:].removeprefix(b" "))
+                self._data.append(line[5:])
         return events
 
     def close(self) -> list[bytes]:
         """The payload of a last event that had no blank line after it."""
-        if self._pending.startswith(b"data:"):
-            self._data.append(self._pending[5:].strip())
-        self._pending = b""
+        pending = b"".join(self._partial)
+        if pending.startswith(b"data:"):
+            self._data.append(pending[5:].strip())
+        self._partial = []
         events = [b"\n".join(self._data)] if self._data else []
         self._data = []
         return events

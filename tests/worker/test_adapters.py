@@ -314,6 +314,27 @@ def test_sse_parser_handles_split_reads_crlf_comments_and_several_events_per_rea
     assert parser.close() == [b"tail"]
 
 
+def test_sse_parser_gives_the_same_payloads_however_the_stream_is_cut() -> None:
+    big = b'{"prompt_token_ids":[' + b",".join(b"%d" % i for i in range(12000)) + b"]}"
+    stream = (
+        b"data: " + big + b"\n\n: ping\r\n\r\ndata:nospace\r\n\r\n"
+        b"data: two\ndata: lines\n\ndata: [DONE]\n\n"
+    )
+    want = [big, b"nospace", b"two\nlines", b"[DONE]"]
+    for size in (1, 2, 7, 1000, 16384, len(stream)):
+        parser = SseParser()
+        got = []
+        for at in range(0, len(stream), size):
+            got += parser.feed(stream[at : at + size])
+        assert got == want, size
+        assert parser.close() == []
+    # Cut once at every byte of the small events' part.
+    tail = stream[len(big) + 8 :]
+    for cut in range(len(tail) + 1):
+        parser = SseParser()
+        assert parser.feed(tail[:cut]) + parser.feed(tail[cut:]) == want[1:], cut
+
+
 def test_upstream_request_strips_the_denylist_and_forces_logprobs() -> None:
     client = client_request(
         request_json=b"",
