@@ -83,10 +83,10 @@ class LiveWorkers:
     A /health that finds the count older than LIVE_WORKERS_FRESH_S starts one refresh in the
     background (so whoever polls /health sees a count at most that old, plus the poll's
     interval); a background task refreshes it every `health_workers_refresh_s` (10 s) when
-    nobody asks. Each refresh is a `ListWorkers` call: at the old fixed 2 s it
-    cost an idle stack ≈ 2.5 ms of CPU a second (gateway and router),
-    ≈ 2 % of a one-client stack's CPU (docs/internals.md, *One write fewer per stream,
-    /health's count refreshed when asked*).
+    nobody asks. Each refresh is a `ListWorkers` call: at the old fixed 2 s they cost an
+    idle stack ≈ 2.5 ms of CPU a second across gateway and router, ≈ 2 % of a one-client
+    stack's CPU (docs/internals.md, *One write fewer per stream, /health's count refreshed
+    when asked*).
     """
 
     def __init__(self) -> None:
