@@ -196,10 +196,9 @@ class Processes:
         used = {}
         for name, pid in self.pids.items():
             try:
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                used[name] = self._split(Path(f"/proc/{pid}/stat").read_text())
             except OSError:
                 continue
-            used[name] = (int(stat[11]) / self._tick, int(stat[12]) / self._tick)
         return used
 
     def thread_cpu_s(self) -> dict[str, dict[str, float]]:
@@ -214,11 +213,15 @@ class Processes:
                 except OSError:
                     continue
                 comm = text[text.index("(") + 1 : text.rindex(")")]
-                stat = text.rsplit(")", 1)[1].split()
-                cpu = (int(stat[11]) + int(stat[12])) / self._tick
-                threads[comm] = threads.get(comm, 0.0) + cpu
+                threads[comm] = threads.get(comm, 0.0) + sum(self._split(text))
             used[name] = threads
         return used
+
+    def _split(self, stat: str) -> tuple[float, float]:
+        """CPU seconds (user, system) from a `/proc/…/stat` line (the name, in parentheses,
+        may hold spaces: the fields are counted after it)."""
+        fields = stat.rsplit(")", 1)[1].split()
+        return int(fields[11]) / self._tick, int(fields[12]) / self._tick
 
 
 def kind_of(name: str) -> str:

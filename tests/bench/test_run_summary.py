@@ -3,29 +3,11 @@ and the table's columns."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _run() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("run", BENCH / "run.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["run"] = module  # its dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+from tests.bench.test_hotspots import _load
 
 
 def test_a_cell_s_cpu_is_read_per_request_and_against_the_floor_and_the_mock() -> None:
-    run = _run()
+    run = _load("run")
     cell = next(c for c in run.CELLS if c.name == "unary-16")
 
     def measured(target: str, rps: float, cpu_s: dict[str, float]) -> object:
