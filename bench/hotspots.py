@@ -300,15 +300,15 @@ def main(argv: list[str] | None = None) -> int:
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     ),
                 )  # fmt: skip
-            before = env.processes.cpu_split()
+            before, switched = env.processes.cpu_split(), env.processes.switches()
             requests, errors = asyncio.run(_load(env, cell, args.seconds))
-            after = env.processes.cpu_split()
+            after, switches = env.processes.cpu_split(), env.processes.switches()
             for _, process in spies.values():
                 if args.strace:
                     process.send_signal(signal.SIGINT)  # strace -c writes its table then
                 process.wait(timeout=60)
     print(f"{cell.title}: {requests} requests, {errors} errors in {args.seconds:.0f} s")
-    print("CPU ms per request (user + system):")
+    print("CPU ms per request (user + system); context switches per request (waited, preempted):")
     total = 0.0
     for name in sorted(after):
         user, system = (
@@ -317,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if run.kind_of(name) in run.SERVICE_KINDS:
             total += user + system
-        print(f"  {name:12s} {user + system:6.3f}  ({user:.3f} + {system:.3f})")
+        waited, taken = (
+            (a - b) / max(requests, 1)
+            for a, b in zip(switches.get(name, (0, 0)), switched.get(name, (0, 0)), strict=True)
+        )
+        print(
+            f"  {name:12s} {user + system:6.3f}  ({user:.3f} + {system:.3f})"
+            f"  switches {waited:5.2f}, {taken:5.2f}"
+        )
     print(f"  {'services':12s} {total:6.3f}")
     if args.cprofile:
         _show_cprofile(stats, args.top)

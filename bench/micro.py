@@ -343,7 +343,11 @@ async def framed(*, messages: int, request_kb: int, ids: int, window: int) -> st
         def on_message(message: Any) -> None:
             send(Batch([dataproxy_pb2.LedgerResponse(id=op.id) for op in message.ops]))
 
-        requests.listen(on_message, lambda: ended.done() or ended.set_result(None))
+        def on_end() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        requests.listen(on_message, on_end)
         await ended
         return
         yield  # an async generator, as the services' serve functions are

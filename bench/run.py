@@ -217,6 +217,25 @@ class Processes:
             used[name] = threads
         return used
 
+    def switches(self) -> dict[str, tuple[int, int]]:
+        """Context switches so far of each process, all threads summed: (voluntary — it
+        waited, for a read, a reply, a timer —, involuntary — a core was taken from it)."""
+        counted: dict[str, tuple[int, int]] = {}
+        for name, pid in self.pids.items():
+            waited = taken = 0
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    status = (task / "status").read_text()
+                except OSError:
+                    continue
+                for line in status.splitlines():
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        waited += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        taken += int(line.split()[1])
+            counted[name] = (waited, taken)
+        return counted
+
     def _split(self, stat: str) -> tuple[float, float]:
         """CPU seconds (user, system) from a `/proc/…/stat` line (the name, in parentheses,
         may hold spaces: the fields are counted after it)."""

@@ -40,6 +40,9 @@ TURN_SPANS = (
     ("worker", "rollgate.v1.Worker/Generate"),
     ("dataproxy", "rollgate.v1.DataProxy/Ledger.record"),
 )
+# A unary turn's worker span is named after the call it replaces (`Complete`): the report
+# places it where a streamed turn's `Generate` goes.
+SAME_SPAN = {("worker", "rollgate.v1.Worker/Complete"): ("worker", "rollgate.v1.Worker/Generate")}
 
 
 class Collector:
@@ -102,7 +105,7 @@ def turns(
         zero = int(roots[0]["startTimeUnixNano"])
         out.append(
             {
-                (service, span["name"]): (
+                SAME_SPAN.get((service, span["name"]), (service, span["name"])): (
                     (int(span["startTimeUnixNano"]) - zero) / 1e6,
                     (int(span["endTimeUnixNano"]) - zero) / 1e6,
                 )

@@ -80,3 +80,17 @@ def test_the_report_places_each_turns_spans_and_gaps() -> None:
     # A span's start and end (p50, p90) from its turn's gateway span.
     assert numbers("worker " + generate) == [2.0, 2.0, 55.0, 55.0]
     assert numbers("dataproxy " + record) == [57.0, 57.0, 58.0, 58.0]
+
+
+def test_a_unary_turns_worker_span_takes_the_streamed_ones_place() -> None:
+    spans = _load("spans")
+    gateway, begin, _, record = (name for _, name in spans.TURN_SPANS)
+    collected = [
+        ("gateway", _span("u", gateway, 0, 30)),
+        ("dataproxy", _span("u", begin, 0.5, 1)),
+        ("worker", _span("u", "rollgate.v1.Worker/Complete", 2, 25)),
+        ("dataproxy", _span("u", record, 26, 27)),
+    ]
+    text = spans.report(collected)
+    assert text.startswith("1 turns with all four spans")
+    assert re.search(r"worker ends → record arrives\s+1\.00", text)
