@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from services.gateway.auth import require_session_key
 from services.gateway.backends import RELAY, SETTINGS
@@ -29,6 +31,9 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 SSE_DONE = b"data: [DONE]\n\n"
+# Chunks are pushed to a client only while its connection holds less than this unsent (what
+# aiohttp's writer lets pile up before it waits for the client).
+PUSH_LIMIT_BYTES = 64 * 1024
 
 
 class EventStream(web.StreamResponse):
@@ -114,19 +119,56 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.Response(body=body, content_type=JSON_CONTENT_TYPE)
 
 
-def _sse(payloads: list[bytes]) -> bytes:
+def _sse(payloads: Sequence[bytes]) -> bytes:
     if not payloads:
         return b""
     return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
 
 
+class _Pusher:
+    """Writes a streaming answer's later chunks to the client from the worker stream's read
+    callback (`TurnRelay.stream(push=…)`): no wake-up of the handler per batch. Only where
+    a write needs nothing from aiohttp's writer but framing: an uncompressed body, its
+    headers already sent (the relay pushes only after the first Chunks were written), the
+    client's side of the connection not behind (its transport's buffer below aiohttp's own
+    drain limit) and not closing. Otherwise it refuses, and the relay yields the chunks to
+    `_stream`, whose `response.write` waits for the client or fails as it always did."""
+
+    __slots__ = ("_chunked", "_transport")
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._chunked = False
+
+    def ready(self, request: web.Request, response: web.StreamResponse) -> None:
+        """The response is prepared: pushing may start."""
+        if response.compression:
+            return
+        self._transport = request.transport
+        self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+
+    def __call__(self, payloads: Sequence[bytes]) -> bool:
+        transport = self._transport
+        if (
+            transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size() >= PUSH_LIMIT_BYTES
+        ):
+            return False
+        data = _sse(payloads)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return True
+
+
 async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
-    events = request.app[RELAY].stream(spec)
+    pusher = _Pusher()
+    events = request.app[RELAY].stream(spec, push=pusher)
     async with contextlib.aclosing(events):
         # The first event comes before any header: an early failure is a plain JSON error.
         event = await anext(events)
         response = EventStream()
         await response.prepare(request)
+        pusher.ready(request, response)
         try:
             while not isinstance(event, Done):
                 if isinstance(event, Chunks):

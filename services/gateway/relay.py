@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +31,13 @@ from services.gateway.json_body import dump_json
 from services.gateway.ledger import Admitted, LedgerClient, Recorded
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
-from services.gateway.worker_calls import STOPPING_CODE, UNAVAILABLE_CODE, WorkerTurn, WorkerTurns
+from services.gateway.worker_calls import (
+    STOPPING_CODE,
+    UNAVAILABLE_CODE,
+    EventSink,
+    WorkerTurn,
+    WorkerTurns,
+)
 from services.runtime import tracing
 from services.runtime.errors import (
     RollgateError,
@@ -264,6 +270,28 @@ class _VersionSpans:
             self.spans.append((tokens, version))
 
 
+# Writes chat chunks that came together to the client at once (no await): True when written,
+# False when it cannot now (the client is behind or gone; the relay then yields them).
+Push = Callable[[Sequence[bytes]], bool]
+
+
+def _pushing(push: Push, spans: _VersionSpans, clock: TurnClock) -> EventSink:
+    """A turn's sink (worker_calls.EventSink) that hands each batch's chunks to `push`, with
+    what the relay's loop does per batch: its tokens stamped with the current version, the
+    first output token timed."""
+
+    def sink(event: worker_pb2.TurnEvent) -> bool:
+        batch = event.generated.chunks
+        if batch.chunks and not push(batch.chunks):
+            return False
+        spans.add(batch.output_tokens)
+        if batch.output_tokens:
+            clock.output()
+        return True
+
+    return sink
+
+
 def _delta(message: worker_pb2.Delta) -> Delta:
     return Delta(
         content=message.content,
@@ -350,11 +378,18 @@ class TurnRelay:
         await self._workers.close()
 
     async def stream(
-        self, spec: TurnSpec, *, on_routed: Callable[[str], None] | None = None
+        self,
+        spec: TurnSpec,
+        *,
+        on_routed: Callable[[str], None] | None = None,
+        push: Push | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Chunks (or deltas) as the worker sends them, then Done once the turn is recorded;
         raises RollgateError. `on_routed` gets the worker's address once its stream is open
-        (where an abort of the turn goes)."""
+        (where an abort of the turn goes). With `push` (chat chunks only), the chunks after
+        the first Chunks go to it as they are read, from the worker stream's read callback,
+        instead of waking this generator's caller per batch; what it refuses comes as Chunks,
+        in order, and Done as always."""
         admitted: Admitted | None = None
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
         failure: RollgateError | None = None
@@ -398,6 +433,8 @@ class TurnRelay:
                     yield Chunks(payloads=payloads, prompt_tokens=prompt_tokens)
                     payloads = []
                 if record is None:
+                    if push is not None and sent and turn.sink is None and not spec.deltas_only:
+                        turn.sink = _pushing(push, spans, clock)
                     events = await turn.events()
             tail = record.chunks
             spans.add(tail.output_tokens)

@@ -9,7 +9,9 @@ goes out as one `TurnOps`, and each `TurnEvent` read is handed to its turn
 batches (all that came since it last asked: chunks that arrived together go on together).
 Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's chunks ahead of
 what its caller has taken; what the caller takes is credited back once half a window has
-gone, so a slow client stalls only its own turn. A stream that breaks fails its
+gone, so a slow client stalls only its own turn. A turn's caller may also take its events as
+they are read (`WorkerTurn.sink`, from the stream's read callback: no wake-up of the caller's
+task per event); what the sink leaves goes to `events()`, in order. A stream that breaks fails its
 turns (a turn that had no event yet fails as `worker_unavailable`: the relay may route it
 to another worker) and is reopened by the next turn.
 """
@@ -43,6 +45,11 @@ WINDOW_BYTES = 256 * 1024
 # A worker that is shutting down refuses new turns with this code: not started, reroutable.
 STOPPING_CODE = "worker_stopping"
 UNAVAILABLE_CODE = "worker_unavailable"
+
+# Takes one event of a turn as it is read (never its last one, never an error): True when it
+# took it, False to leave it, and every event after it until `events()` took them, to
+# `events()`. Called from the stream's read callback: it must not block.
+EventSink = Callable[[worker_pb2.TurnEvent], bool]
 
 
 def _unreachable() -> RollgateError:
@@ -78,6 +85,7 @@ class WorkerTurn:
         "ended",
         "id",
         "received",
+        "sink",
     )
 
     def __init__(self, stream: _WorkerStream, turn_id: int, timeout_s: float) -> None:
@@ -95,6 +103,8 @@ class WorkerTurn:
         # True once its last event came, it failed, or it was cancelled.
         self.ended = False
         self._timer = stream.loop.call_later(timeout_s, self._expire)
+        # Set by the caller once it takes events as they come (EventSink).
+        self.sink: EventSink | None = None
 
     async def events(self) -> list[worker_pb2.TurnEvent]:
         """Every event that came since the last call (waits for the first); raises the turn's
@@ -141,11 +151,29 @@ class WorkerTurn:
         """An event of this turn came (`last`: the turn's last one)."""
         if event.WhichOneof("event") != "error_json":
             self.received = True
+            # Events the sink left wait in the inbox: those after them wait too (order).
+            if not last and self.sink is not None and not self._inbox and self._sunk(event):
+                return
         if last:
             self.ended = True
             self._timer.cancel()
         self._inbox.append(event)
         self._wake()
+
+    def _sunk(self, event: worker_pb2.TurnEvent) -> bool:
+        """Whether the sink took `event` (then it counts as taken, and is credited back)."""
+        assert self.sink is not None
+        try:
+            taken = self.sink(event)
+        except Exception as err:
+            # A bug of the sink's: the turn goes on through events(), the stream's others too.
+            log.error("turn_sink_failed", turn_id=self.id, error=type(err).__name__)
+            self.sink = None
+            return False
+        if taken:
+            self._taken += event.size
+            self._credit()
+        return taken
 
     def fail(self, error: RollgateError) -> None:
         """The turn cannot go on (its stream broke, its deadline passed)."""

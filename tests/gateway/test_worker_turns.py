@@ -227,3 +227,85 @@ async def test_a_stream_opened_after_a_worker_began_stopping_ends_after_its_refu
             await eventually(lambda: not streams._streams, what="the late stream ended")
         finally:
             await turns.close()
+
+
+def _text(events: list[worker_pb2.TurnEvent]) -> str:
+    return "".join(
+        (choice.get("delta") or {}).get("content") or ""
+        for event in events
+        for chunk in event.generated.chunks.chunks
+        for choice in orjson.loads(chunk).get("choices") or ()
+    )
+
+
+async def test_a_sink_takes_each_event_as_it_is_read_and_credits_it(
+    framed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A small window: the answer is many windows long, so it completes only if what the sink
+    # takes is credited back to the worker.
+    monkeypatch.setattr(worker_calls, "WINDOW_BYTES", 600)
+    async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool, framed=framed)
+        turn = turns.start(
+            worker.address, request(f"sunk {LONG_TEXT}", stream=True), stream=True, timeout_s=10
+        )
+        sunk: list[worker_pb2.TurnEvent] = []
+        turn.sink = lambda event: sunk.append(event) is None
+        # The caller wakes once: for the last event, which never goes to the sink.
+        woken = await turn.events()
+        await turns.close()
+    assert len(woken) == 1 and woken[0].generated.HasField("record")
+    assert sum(event.size for event in sunk) > 3 * 600
+    assert _text(sunk) == answer(woken[0].generated.record)
+
+
+async def test_what_a_sink_leaves_comes_by_events_in_order(framed: bool) -> None:
+    async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool, framed=framed)
+        turn = turns.start(
+            worker.address, request(f"left {LONG_TEXT}", stream=True), stream=True, timeout_s=10
+        )
+        seen: list[worker_pb2.TurnEvent] = []
+        asked = 0
+
+        def every_third_left(event: worker_pb2.TurnEvent) -> bool:
+            nonlocal asked
+            asked += 1
+            if asked % 3 == 0:
+                return False
+            seen.append(event)
+            return True
+
+        turn.sink = every_third_left
+        by_events = 0
+        while True:
+            events = await turn.events()
+            by_events += len(events)
+            seen += events  # in the same step: no read callback runs in between
+            if events[-1].generated.HasField("record"):
+                break
+        await turns.close()
+    assert by_events > 1 and len(seen) > by_events  # both ways were taken
+    assert _text(seen) == answer(seen[-1].generated.record)
+    assert "you said left " in _text(seen)
+
+
+async def test_a_sink_that_fails_is_dropped_and_the_turn_goes_on(framed: bool) -> None:
+    async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
+        turns = WorkerTurns(pool, framed=framed)
+        turn = turns.start(
+            worker.address, request(f"bug {LONG_TEXT}", stream=True), stream=True, timeout_s=10
+        )
+        seen: list[worker_pb2.TurnEvent] = []
+
+        def fails_second(event: worker_pb2.TurnEvent) -> bool:
+            if seen:
+                raise RuntimeError("a bug in the sink")
+            seen.append(event)
+            return True
+
+        turn.sink = fails_second
+        text, last = await read_all(turn)
+        await turns.close()
+    assert turn.sink is None
+    assert _text(seen) + text == answer(last.generated.record)
