@@ -1,4 +1,6 @@
-"""The SSE responses' headers go out with their first event: one write, not two."""
+"""The SSE responses' headers go out with their first event: one write, not two; chat's later
+chunks are pushed to the transport as they come, framed as aiohttp frames them, only while the
+client keeps up."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_writer import HttpVersion, HttpVersion10, HttpVersion11, StreamWriter
 from aiohttp.test_utils import make_mocked_request
 
-from services.gateway.chat import EventStream
+from services.gateway.chat import PUSH_LIMIT_BYTES, EventStream, _Pusher
 
 
 class _Transport(asyncio.Transport):
@@ -19,6 +21,9 @@ class _Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.writes: list[bytes] = []
+        # What the transport holds unsent (the client is behind), and whether it closes.
+        self.buffered = 0
+        self.closing = False
 
     def write(self, data: Any) -> None:
         self.writes.append(bytes(data))
@@ -27,7 +32,10 @@ class _Transport(asyncio.Transport):
         self.writes.append(b"".join(bytes(d) for d in list_of_data))
 
     def is_closing(self) -> bool:
-        return False
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
@@ -44,7 +52,7 @@ class _Protocol(BaseProtocol):
         self.sockname = None
 
 
-async def _written(events: list[bytes], version: HttpVersion = HttpVersion11) -> list[bytes]:
+async def _prepared(version: HttpVersion = HttpVersion11) -> tuple[Any, EventStream, _Transport]:
     transport = _Transport()
     protocol = _Protocol(transport)
     writer = StreamWriter(protocol, asyncio.get_running_loop())
@@ -56,7 +64,11 @@ async def _written(events: list[bytes], version: HttpVersion = HttpVersion11) ->
         transport=transport,
         version=version,
     )
-    response = EventStream()
+    return request, EventStream(), transport
+
+
+async def _written(events: list[bytes], version: HttpVersion = HttpVersion11) -> list[bytes]:
+    request, response, transport = await _prepared(version)
     await response.prepare(request)
     for event in events[:-1]:
         await response.write(event)
@@ -101,3 +113,67 @@ def test_every_event_stream_of_the_gateway_is_one() -> None:
     assert plain == [], plain
     users = {p.name for p in gateway.glob("*.py") if "EventStream()" in p.read_text()}
     assert users == {"chat.py", "messages.py", "responses.py"}
+
+
+def _dechunked(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's data; AssertionError when it is not well framed."""
+    data = b""
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        length = int(size, 16)
+        assert body[length : length + 2] == b"\r\n", body
+        if length == 0:
+            assert body == b"\r\n"
+            return data
+        data, body = data + body[:length], body[length + 2 :]
+
+
+async def test_pushed_chunks_are_framed_between_the_writes_of_aiohttp() -> None:
+    request, response, transport = await _prepared()
+    pusher = _Pusher()
+    assert not pusher([b'{"early": 1}'])  # not ready: nothing is written
+    await response.prepare(request)
+    await response.write(b'data: {"a": 1}\n\n')
+    pusher.ready(request, response)
+    assert pusher([b'{"b": 2}', b'{"c": 3}'])
+    assert pusher([b'{"d": 4}'])
+    await response.write_eof(b"data: [DONE]\n\n")
+    assert len(transport.writes) == 4
+    _, _, body = b"".join(transport.writes).partition(b"\r\n\r\n")
+    assert _dechunked(body) == (
+        b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: {"c": 3}\n\ndata: {"d": 4}\n\ndata: [DONE]\n\n'
+    )
+
+
+async def test_pushed_chunks_to_an_http_1_0_client_are_the_events_alone() -> None:
+    request, response, transport = await _prepared(HttpVersion10)
+    pusher = _Pusher()
+    await response.prepare(request)
+    await response.write(b'data: {"a": 1}\n\n')
+    pusher.ready(request, response)
+    assert pusher([b'{"b": 2}'])
+    await response.write_eof(b"data: [DONE]\n\n")
+    assert transport.writes[1:] == [b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
+
+
+async def test_nothing_is_pushed_to_a_client_that_is_behind_or_gone_or_compressed() -> None:
+    request, response, transport = await _prepared()
+    pusher = _Pusher()
+    await response.prepare(request)
+    await response.write(b'data: {"a": 1}\n\n')
+    pusher.ready(request, response)
+    transport.buffered = PUSH_LIMIT_BYTES
+    assert not pusher([b'{"b": 2}'])
+    transport.buffered = PUSH_LIMIT_BYTES - 1
+    assert pusher([b'{"b": 2}'])
+    transport.closing = True
+    assert not pusher([b'{"c": 3}'])
+    assert len(transport.writes) == 2  # the first event, and the one push taken
+
+    request, response, transport = await _prepared()
+    response.enable_compression()
+    pusher = _Pusher()
+    await response.prepare(request)
+    pusher.ready(request, response)
+    assert not pusher([b'{"a": 1}'])
+    assert transport.writes == []

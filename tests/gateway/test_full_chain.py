@@ -3,7 +3,8 @@ the mock LLM upstream and a real Redis."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ import redis.asyncio as aioredis
 
 from protos import router_pb2, router_pb2_grpc
 from rollgate.mock_llm import MockLLM
+from services.gateway import chat
 from services.gateway.app import GatewayServer
 from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest, new_session_key
@@ -440,3 +442,80 @@ async def test_the_client_sees_the_first_token_before_the_model_generates_the_la
     tokens_then, finished_then = at_first_content
     assert finished_then == 0  # the upstream stream was still open
     assert 1 <= tokens_then < generated  # and later tokens were not generated yet
+
+
+def _count_pushes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many chunks chat pushed from the worker stream's read callback (one entry per push
+    taken), counted around the real pusher."""
+    pushed: list[int] = []
+    original = chat._Pusher.__call__
+
+    def counted(self: chat._Pusher, payloads: Sequence[bytes]) -> bool:
+        taken = original(self, payloads)
+        if taken:
+            pushed.append(len(payloads))
+        return taken
+
+    monkeypatch.setattr(chat._Pusher, "__call__", counted)
+    return pushed
+
+
+def _content(events: list[bytes]) -> str:
+    assert events[-1] == b"[DONE]"
+    return "".join(
+        (choice.get("delta") or {}).get("content") or ""
+        for event in events[:-1]
+        for choice in orjson.loads(event)["choices"]
+    )
+
+
+async def test_a_streamed_answer_after_its_first_chunks_is_pushed_whole_and_in_order(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = (await _start(stack))["api_key"]
+    question = "tell me something long enough for many tokens"
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions",
+        json=_chat_body(question, stream=False),
+        headers=_auth(key),
+    ) as resp:
+        whole = (await resp.json())["choices"][0]["message"]["content"]
+    pushed = _count_pushes(monkeypatch)
+    stack.mock.token_interval_s = 0.005  # each token its own read: its own event
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions", json=_chat_body(question, stream=True),
+        headers=_auth(key),
+    ) as resp:  # fmt: skip
+        assert resp.status == 200
+        streamed = _content(await _sse_events(resp))
+    assert streamed == whole and len(whole) > 20
+    assert len(pushed) >= 3
+
+
+async def test_an_http_1_0_client_gets_pushed_chunks_unframed(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = (await _start(stack))["api_key"]
+    pushed = _count_pushes(monkeypatch)
+    stack.mock.token_interval_s = 0.005
+    body = orjson.dumps(_chat_body("tell me something long enough for many tokens", stream=True))
+    host, port = stack.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+            % (key.encode(), len(body), body)
+        )
+        await writer.drain()
+        async with asyncio.timeout(30):
+            raw = await reader.read()  # an HTTP/1.0 answer ends when the connection closes
+    finally:
+        writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"Transfer-Encoding" not in head
+    events = payload.split(b"\n\n")
+    assert events[-1] == b""
+    assert all(event.startswith(b"data: ") for event in events[:-1]), payload
+    assert "you said" in _content([event[len(b"data: ") :] for event in events[:-1]])
+    assert len(pushed) >= 3
