@@ -3,7 +3,8 @@
 A turn: `BeginTurn` on the ledger (admission, the in-flight lease, the weight version; a key
 refused here never reaches the router, so it leaves no affinity) → route (cached) → the turn
 on the `Worker.Turns` stream to the worker the router chose (`worker_calls.py`) →
-the chunks to the caller as they arrive (all that came together as one event), their output
+the chunks to the caller as they arrive (all that came together as one event; chat's after
+the first written from the worker stream's read callback, `push`), their output
 tokens stamped with the weight version current as they pass → `RecordTurn` on the ledger →
 the caller's end (`Done`: the recorded assistant message, usage and finish reason, nothing
 re-accumulated here). The end is never given before the record is written: an answered turn
