@@ -18,7 +18,7 @@ from services.gateway.header_mode import TurnTags, body_tags, turn_tags
 from services.gateway.http_errors import JSON_CONTENT_TYPE, sse_error_event
 from services.gateway.json_body import load_json
 from services.gateway.protocols import Protocol, Route, openai_paths
-from services.gateway.relay import Chunks, Done, TurnSpec, split_body
+from services.gateway.relay import Chunks, Delta, Done, Push, TurnSpec, split_body
 from services.runtime.errors import InvalidRequest, RollgateError, check_identifier
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
@@ -125,14 +125,15 @@ def _sse(payloads: Sequence[bytes]) -> bytes:
     return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
 
 
-class _Pusher:
-    """Writes a streaming answer's later chunks to the client from the worker stream's read
+class Pusher:
+    """Writes a streaming answer's later events to the client from the worker stream's read
     callback (`TurnRelay.stream(push=…)`): no wake-up of the handler per batch. Only where
     a write needs nothing from aiohttp's writer but framing: an uncompressed body, its
-    headers already sent (the relay pushes only after the first Chunks were written), the
+    headers already sent (the relay pushes only after the first batch was written), the
     client's side of the connection not behind (its transport's buffer below aiohttp's own
-    drain limit) and not closing. Otherwise it refuses, and the relay yields the chunks to
-    `_stream`, whose `response.write` waits for the client or fails as it always did."""
+    drain limit) and not closing. Otherwise it refuses, and the relay yields the batch to
+    the handler, whose `response.write` waits for the client or fails as it always did.
+    Chat completions, Responses and Anthropic Messages push through one each."""
 
     __slots__ = ("_chunked", "_transport")
 
@@ -141,28 +142,48 @@ class _Pusher:
         self._chunked = False
 
     def ready(self, request: web.Request, response: web.StreamResponse) -> None:
-        """The response is prepared: pushing may start."""
+        """The response is prepared and its first events written: pushing may start."""
         if response.compression:
             return
         self._transport = request.transport
         self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
 
-    def __call__(self, payloads: Sequence[bytes]) -> bool:
+    def writable(self) -> bool:
+        """Whether a write can go out now (ask before building what it writes)."""
         transport = self._transport
-        if (
+        return not (
             transport is None
             or transport.is_closing()
             or transport.get_write_buffer_size() >= PUSH_LIMIT_BYTES
-        ):
+        )
+
+    def write(self, data: bytes) -> None:
+        """Writes `data` (the response's next bytes, framed as aiohttp frames them); only
+        after `writable()` said yes."""
+        assert self._transport is not None
+        if data:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+
+    def __call__(self, data: bytes) -> bool:
+        """`data` written now, or False: it cannot be."""
+        if not self.writable():
             return False
-        data = _sse(payloads)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        self.write(data)
         return True
 
 
+def _pushed_chunks(pusher: Pusher) -> Push:
+    """Chat's push: a batch of chat chunks as SSE events."""
+
+    def push(event: Chunks | Delta) -> bool:
+        return isinstance(event, Chunks) and pusher(_sse(event.payloads))
+
+    return push
+
+
 async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
-    pusher = _Pusher()
-    events = request.app[RELAY].stream(spec, push=pusher)
+    pusher = Pusher()
+    events = request.app[RELAY].stream(spec, push=_pushed_chunks(pusher))
     async with contextlib.aclosing(events):
         # The first event comes before any header: an early failure is a plain JSON error.
         event = await anext(events)

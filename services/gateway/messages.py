@@ -32,7 +32,7 @@ from services.gateway.messages_translate import (
     parse_request,
 )
 from services.gateway.protocols import Protocol, Route, Twins
-from services.gateway.relay import Chunks, Done, TurnSpec, split_body
+from services.gateway.relay import Chunks, Delta, Done, Push, TurnSpec, split_body
 from services.runtime.errors import NotFound, RollgateError
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
@@ -94,11 +94,14 @@ def _prompt_tokens(usage: dict[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-async def _chunks(request: web.Request, spec: TurnSpec) -> AsyncGenerator[_Batch, None]:
+async def _chunks(
+    request: web.Request, spec: TurnSpec, push: Push | None = None
+) -> AsyncGenerator[_Batch, None]:
     """The chat chunks of a streamed turn as batches arrive; the last batch (the chunks that
     came with the end) once the turn is recorded. Nothing is yielded before the relay's first
-    event, so an early failure is raised before anything reaches the client."""
-    events = request.app[RELAY].stream(spec)
+    event, so an early failure is raised before anything reaches the client. With `push`,
+    the batches the relay pushes after the first are not yielded (TurnRelay.stream)."""
+    events = request.app[RELAY].stream(spec, push=push)
     async with contextlib.aclosing(events):
         async for event in events:
             if isinstance(event, Chunks):
@@ -133,7 +136,16 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     stream = MessageStream(
         message_id=message_id, model=call.model, stop_sequences=call.stop_sequences
     )
-    batches = _chunks(request, spec)
+    pusher = chat.Pusher()
+
+    def push(event: Chunks | Delta) -> bool:
+        # A batch of chat chunks as Anthropic's events, written now when the client keeps up.
+        if not isinstance(event, Chunks) or not pusher.writable():
+            return False
+        pusher.write(b"".join(e for chunk in _parsed(event.payloads) for e in stream.feed(chunk)))
+        return True
+
+    batches = _chunks(request, spec, push)
     # Read before any header is sent: a failure before the first token is a plain JSON error.
     first = await anext(batches, None)
     response = chat.EventStream()
@@ -146,6 +158,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             input_tokens=first.prompt_tokens if first else 0,
         )
         await response.write(b"".join(events))
+        pusher.ready(request, response)  # the relay pushes from the second batch on
         while (batch := await anext(batches, None)) is not None:
             events = []
             for chunk in batch.chunks:

@@ -3,8 +3,8 @@
 A turn: `BeginTurn` on the ledger (admission, the in-flight lease, the weight version; a key
 refused here never reaches the router, so it leaves no affinity) → route (cached) → the turn
 on the `Worker.Turns` stream to the worker the router chose (`worker_calls.py`) →
-the chunks to the caller as they arrive (all that came together as one event; chat's after
-the first written from the worker stream's read callback, `push`), their output
+the chunks to the caller as they arrive (all that came together as one event; after the
+first, written from the worker stream's read callback where the caller pushes), their output
 tokens stamped with the weight version current as they pass → `RecordTurn` on the ledger →
 the caller's end (`Done`: the recorded assistant message, usage and finish reason, nothing
 re-accumulated here). The end is never given before the record is written: an answered turn
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -271,19 +271,25 @@ class _VersionSpans:
             self.spans.append((tokens, version))
 
 
-# Writes chat chunks that came together to the client at once (no await): True when written,
-# False when it cannot now (the client is behind or gone; the relay then yields them).
-Push = Callable[[Sequence[bytes]], bool]
+# Writes what one batch brought (Chunks, or a Delta for `deltas_only`) to the client at once
+# (no await): True when written, False when it cannot now (the client is behind or gone; the
+# relay then yields it, and what follows it, as events).
+Push = Callable[[Chunks | Delta], bool]
 
 
-def _pushing(push: Push, spans: _VersionSpans, clock: TurnClock) -> EventSink:
-    """A turn's sink (worker_calls.EventSink) that hands each batch's chunks to `push`, with
-    what the relay's loop does per batch: its tokens stamped with the current version, the
-    first output token timed."""
+def _pushing(push: Push, spans: _VersionSpans, clock: TurnClock, *, deltas: bool) -> EventSink:
+    """A turn's sink (worker_calls.EventSink) that hands each batch to `push` as the event the
+    relay would have yielded, with what the relay's loop does per batch: its tokens stamped
+    with the current version, the first output token timed."""
 
     def sink(event: worker_pb2.TurnEvent) -> bool:
         batch = event.generated.chunks
-        if batch.chunks and not push(batch.chunks):
+        if deltas:
+            if batch.HasField("delta") and not push(_delta(batch.delta)):
+                return False
+        elif batch.chunks and not push(
+            Chunks(payloads=list(batch.chunks), prompt_tokens=batch.prompt_tokens)
+        ):
             return False
         spans.add(batch.output_tokens)
         if batch.output_tokens:
@@ -387,10 +393,10 @@ class TurnRelay:
     ) -> AsyncGenerator[Event, None]:
         """Chunks (or deltas) as the worker sends them, then Done once the turn is recorded;
         raises RollgateError. `on_routed` gets the worker's address once its stream is open
-        (where an abort of the turn goes). With `push` (chat chunks only), the chunks after
-        the first Chunks go to it as they are read, from the worker stream's read callback,
-        instead of waking this generator's caller per batch; what it refuses comes as Chunks,
-        in order, and Done as always."""
+        (where an abort of the turn goes). With `push`, the batches after the first one
+        yielded go to it as they are read, from the worker stream's read callback, as the
+        Chunks or Delta this generator would yield, instead of waking its caller per batch;
+        what it refuses is yielded, in order, and Done as always."""
         admitted: Admitted | None = None
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
         failure: RollgateError | None = None
@@ -434,8 +440,8 @@ class TurnRelay:
                     yield Chunks(payloads=payloads, prompt_tokens=prompt_tokens)
                     payloads = []
                 if record is None:
-                    if push is not None and sent and turn.sink is None and not spec.deltas_only:
-                        turn.sink = _pushing(push, spans, clock)
+                    if push is not None and sent and turn.sink is None:
+                        turn.sink = _pushing(push, spans, clock, deltas=spec.deltas_only)
                     events = await turn.events()
             tail = record.chunks
             spans.add(tail.output_tokens)

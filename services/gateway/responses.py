@@ -19,11 +19,11 @@ from aiohttp import web
 
 from services.gateway.auth import require_session_key
 from services.gateway.backends import RELAY, SETTINGS
-from services.gateway.chat import SSE_DONE, EventStream
+from services.gateway.chat import SSE_DONE, EventStream, Pusher
 from services.gateway.header_mode import TurnTags, turn_tags
 from services.gateway.http_errors import json_response
 from services.gateway.protocols import Protocol, Route, openai_paths
-from services.gateway.relay import Delta, Done, Event, bridge_spec
+from services.gateway.relay import Chunks, Delta, Done, Event, Push, bridge_spec
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
 from services.gateway.responses_translate import (
     ItemIds,
@@ -274,10 +274,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         # Header-mode keys: X-Session-Id (or a /sessions/<id>/ path) names the episode.
         tags=turn_tags(request.headers, TurnTags()),
     )
-    upstream = request.app[RELAY].stream(spec)
+    pusher = Pusher()
+    upstream = request.app[RELAY].stream(
+        spec, push=_pushed_deltas(pusher, builder) if call.stream else None
+    )
     async with contextlib.aclosing(upstream) as items:
         if call.stream:
-            return await _stream(request, digest, builder, items)
+            return await _stream(request, digest, builder, items, pusher)
         done: Done | None = None
         async for item in items:
             if isinstance(item, Delta):
@@ -292,17 +295,31 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return response
 
 
+def _pushed_deltas(pusher: Pusher, builder: ResponseBuilder) -> Push:
+    """The Responses stream's push: a delta as its Responses events."""
+
+    def push(event: Chunks | Delta) -> bool:
+        if not isinstance(event, Delta) or not pusher.writable():
+            return False
+        pusher.write(b"".join(builder.delta(event)))
+        return True
+
+    return push
+
+
 async def _stream(
     request: web.Request,
     digest: str,
     builder: ResponseBuilder,
     items: AsyncIterator[Event],
+    pusher: Pusher,
 ) -> web.StreamResponse:
     # The first item comes before any header: an early failure is a plain JSON error.
     first = await anext(items)
     response = EventStream()
     await response.prepare(request)
     await response.write(b"".join(builder.start()))
+    pusher.ready(request, response)  # the relay pushes from the second batch on
     item: Event = first
     try:
         while not isinstance(item, Done):

@@ -12,7 +12,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_writer import HttpVersion, HttpVersion10, HttpVersion11, StreamWriter
 from aiohttp.test_utils import make_mocked_request
 
-from services.gateway.chat import PUSH_LIMIT_BYTES, EventStream, _Pusher
+from services.gateway.chat import PUSH_LIMIT_BYTES, EventStream, Pusher
 
 
 class _Transport(asyncio.Transport):
@@ -130,13 +130,13 @@ def _dechunked(body: bytes) -> bytes:
 
 async def test_pushed_chunks_are_framed_between_the_writes_of_aiohttp() -> None:
     request, response, transport = await _prepared()
-    pusher = _Pusher()
-    assert not pusher([b'{"early": 1}'])  # not ready: nothing is written
+    pusher = Pusher()
+    assert not pusher(b'data: {"early": 1}\n\n')  # not ready: nothing is written
     await response.prepare(request)
     await response.write(b'data: {"a": 1}\n\n')
     pusher.ready(request, response)
-    assert pusher([b'{"b": 2}', b'{"c": 3}'])
-    assert pusher([b'{"d": 4}'])
+    assert pusher(b'data: {"b": 2}\n\ndata: {"c": 3}\n\n')
+    assert pusher(b'data: {"d": 4}\n\n')
     await response.write_eof(b"data: [DONE]\n\n")
     assert len(transport.writes) == 4
     _, _, body = b"".join(transport.writes).partition(b"\r\n\r\n")
@@ -147,33 +147,33 @@ async def test_pushed_chunks_are_framed_between_the_writes_of_aiohttp() -> None:
 
 async def test_pushed_chunks_to_an_http_1_0_client_are_the_events_alone() -> None:
     request, response, transport = await _prepared(HttpVersion10)
-    pusher = _Pusher()
+    pusher = Pusher()
     await response.prepare(request)
     await response.write(b'data: {"a": 1}\n\n')
     pusher.ready(request, response)
-    assert pusher([b'{"b": 2}'])
+    assert pusher(b'data: {"b": 2}\n\n')
     await response.write_eof(b"data: [DONE]\n\n")
     assert transport.writes[1:] == [b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
 
 
 async def test_nothing_is_pushed_to_a_client_that_is_behind_or_gone_or_compressed() -> None:
     request, response, transport = await _prepared()
-    pusher = _Pusher()
+    pusher = Pusher()
     await response.prepare(request)
     await response.write(b'data: {"a": 1}\n\n')
     pusher.ready(request, response)
     transport.buffered = PUSH_LIMIT_BYTES
-    assert not pusher([b'{"b": 2}'])
+    assert not pusher(b'data: {"b": 2}\n\n')
     transport.buffered = PUSH_LIMIT_BYTES - 1
-    assert pusher([b'{"b": 2}'])
+    assert pusher(b'data: {"b": 2}\n\n')
     transport.closing = True
-    assert not pusher([b'{"c": 3}'])
+    assert not pusher(b'data: {"c": 3}\n\n')
     assert len(transport.writes) == 2  # the first event, and the one push taken
 
     request, response, transport = await _prepared()
     response.enable_compression()
-    pusher = _Pusher()
+    pusher = Pusher()
     await response.prepare(request)
     pusher.ready(request, response)
-    assert not pusher([b'{"a": 1}'])
+    assert not pusher(b'data: {"a": 1}\n\n')
     assert transport.writes == []

@@ -4,7 +4,7 @@ the mock LLM upstream and a real Redis."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -445,18 +445,16 @@ async def test_the_client_sees_the_first_token_before_the_model_generates_the_la
 
 
 def _count_pushes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many chunks chat pushed from the worker stream's read callback (one entry per push
-    taken), counted around the real pusher."""
+    """The bytes of each write chat, Responses or Messages pushed from the worker stream's
+    read callback, counted around the real pusher."""
     pushed: list[int] = []
-    original = chat._Pusher.__call__
+    original = chat.Pusher.write
 
-    def counted(self: chat._Pusher, payloads: Sequence[bytes]) -> bool:
-        taken = original(self, payloads)
-        if taken:
-            pushed.append(len(payloads))
-        return taken
+    def counted(self: chat.Pusher, data: bytes) -> None:
+        pushed.append(len(data))
+        original(self, data)
 
-    monkeypatch.setattr(chat._Pusher, "__call__", counted)
+    monkeypatch.setattr(chat.Pusher, "write", counted)
     return pushed
 
 

@@ -22,7 +22,7 @@ from tests.gateway.anthropic_shapes import (
     tool_result_turn,
 )
 from tests.gateway.conftest import ADMIN_KEY
-from tests.gateway.test_full_chain import MODEL, Stack, _start, stack
+from tests.gateway.test_full_chain import MODEL, Stack, _count_pushes, _start, stack
 
 __all__ = ["stack"]
 
@@ -427,3 +427,25 @@ async def test_a_session_in_the_url_path_names_the_episode_for_an_anthropic_clie
                 model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "x"}]
             )
     assert "header-mode key" in _anthropic_error(raised.value.body, "invalid_request_error")  # type: ignore[arg-type]
+
+
+async def test_a_streamed_message_after_its_first_batch_is_pushed_whole_and_in_order(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = (await _start(stack))["api_key"]
+    ask: Any = [{"role": "user", "content": "tell me something long enough for many tokens"}]
+    async with client(stack, key) as sdk:
+        whole = await sdk.messages.create(model=MODEL, max_tokens=64, messages=ask)
+        pushed = _count_pushes(monkeypatch)
+        stack.mock.token_interval_s = 0.005  # each token its own read: its own batch
+        texts = []
+        async with sdk.messages.stream(model=MODEL, max_tokens=64, messages=ask) as stream:
+            async for event in stream:
+                if event.type == "text":
+                    texts.append(event.text)
+            final = await stream.get_final_message()
+    (block,) = whole.content
+    assert block.type == "text" and len(block.text) > 20
+    assert "".join(texts) == block.text
+    assert final.content[0].type == "text" and final.content[0].text == block.text
+    assert len(pushed) >= 3

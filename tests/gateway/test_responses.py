@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from rollgate.trajectory import inline_content
 from tests.gateway.conftest import ADMIN_KEY
-from tests.gateway.test_full_chain import MODEL, Stack, _auth, _start, stack
+from tests.gateway.test_full_chain import MODEL, Stack, _auth, _count_pushes, _start, stack
 
 __all__ = ["stack"]
 
@@ -329,3 +329,21 @@ async def test_a_streamed_function_call_has_the_arguments_event_sequence(
     [interaction] = (await published(stack, redis_client, key))["interactions"]
     assert interaction["finish_reason"] == "tool_calls"
     assert interaction["interaction_id"] == final.id
+
+
+async def test_a_streamed_response_after_its_first_delta_is_pushed_whole_and_in_order(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = (await _start(stack))["api_key"]
+    question = "tell me something long enough for many tokens"
+    async with client(stack, key) as sdk:
+        whole = (await sdk.responses.create(model=MODEL, input=question)).output_text
+        pushed = _count_pushes(monkeypatch)
+        stack.mock.token_interval_s = 0.005  # each token its own read: its own delta
+        stream = await sdk.responses.create(model=MODEL, input=question, stream=True)
+        events = [event async for event in stream]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole and len(whole) > 20
+    assert len(pushed) >= 3
