@@ -51,6 +51,13 @@ async def read_all(turn: WorkerTurn) -> tuple[str, worker_pb2.TurnEvent]:
                 return "".join(text), event
 
 
+def streamed(turns: WorkerTurns, address: str, text: str) -> WorkerTurn:
+    """A streamed turn whose answer is many tokens long (it repeats `text` and LONG_TEXT)."""
+    return turns.start(
+        address, request(f"{text} {LONG_TEXT}", stream=True), stream=True, timeout_s=10
+    )
+
+
 def answer(record: Any) -> str:
     return str(orjson.loads(record.assistant_message_json)["content"])
 
@@ -124,14 +131,10 @@ async def test_a_turn_that_is_not_read_waits_at_its_window_while_others_go_on(
     monkeypatch.setattr(worker_calls, "WINDOW_BYTES", 600)
     async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
         turns = WorkerTurns(pool, framed=framed)
-        slow = turns.start(
-            worker.address, request(f"slow {LONG_TEXT}", stream=True), stream=True, timeout_s=10
-        )
+        slow = streamed(turns, worker.address, "slow")
         first = await slow.events()
         # The slow turn's reader takes nothing more: the worker stops at its window.
-        fast = turns.start(
-            worker.address, request(f"fast {LONG_TEXT}", stream=True), stream=True, timeout_s=10
-        )
+        fast = streamed(turns, worker.address, "fast")
         text, _ = await read_all(fast)
         assert "you said fast " in text
         # What the worker sent of it is within its window (plus the one event that crossed it).
@@ -246,9 +249,7 @@ async def test_a_sink_takes_each_event_as_it_is_read_and_credits_it(
     monkeypatch.setattr(worker_calls, "WINDOW_BYTES", 600)
     async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
         turns = WorkerTurns(pool, framed=framed)
-        turn = turns.start(
-            worker.address, request(f"sunk {LONG_TEXT}", stream=True), stream=True, timeout_s=10
-        )
+        turn = streamed(turns, worker.address, "sunk")
         sunk: list[worker_pb2.TurnEvent] = []
         turn.sink = lambda event: sunk.append(event) is None
         # The caller wakes once: for the last event, which never goes to the sink.
@@ -262,9 +263,7 @@ async def test_a_sink_takes_each_event_as_it_is_read_and_credits_it(
 async def test_what_a_sink_leaves_comes_by_events_in_order(framed: bool) -> None:
     async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
         turns = WorkerTurns(pool, framed=framed)
-        turn = turns.start(
-            worker.address, request(f"left {LONG_TEXT}", stream=True), stream=True, timeout_s=10
-        )
+        turn = streamed(turns, worker.address, "left")
         seen: list[worker_pb2.TurnEvent] = []
         asked = 0
 
@@ -293,9 +292,7 @@ async def test_what_a_sink_leaves_comes_by_events_in_order(framed: bool) -> None
 async def test_a_sink_that_fails_is_dropped_and_the_turn_goes_on(framed: bool) -> None:
     async with mock_and_worker(token_interval_ms=2) as (_, worker), ChannelPool() as pool:
         turns = WorkerTurns(pool, framed=framed)
-        turn = turns.start(
-            worker.address, request(f"bug {LONG_TEXT}", stream=True), stream=True, timeout_s=10
-        )
+        turn = streamed(turns, worker.address, "bug")
         seen: list[worker_pb2.TurnEvent] = []
 
         def fails_second(event: worker_pb2.TurnEvent) -> bool:
