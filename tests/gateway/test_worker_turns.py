@@ -251,7 +251,12 @@ async def test_a_sink_takes_each_event_as_it_is_read_and_credits_it(
         turns = WorkerTurns(pool, framed=framed)
         turn = streamed(turns, worker.address, "sunk")
         sunk: list[worker_pb2.TurnEvent] = []
-        turn.sink = lambda event: sunk.append(event) is None
+
+        def take(event: worker_pb2.TurnEvent) -> bool:
+            sunk.append(event)
+            return True
+
+        turn.sink = take
         # The caller wakes once: for the last event, which never goes to the sink.
         woken = await turn.events()
         await turns.close()
