@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import hdrs, web
 
@@ -34,6 +34,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 # Chunks are pushed to a client only while its connection holds less than this unsent (what
 # aiohttp's writer lets pile up before it waits for the client).
 PUSH_LIMIT_BYTES = 64 * 1024
+# What one protocol pushes: chat chunks, or deltas.
+E = TypeVar("E", Chunks, Delta)
 
 
 class EventStream(web.StreamResponse):
@@ -164,26 +166,25 @@ class Pusher:
         if data:
             self._transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
 
-    def __call__(self, data: bytes) -> bool:
-        """`data` written now, or False: it cannot be."""
-        if not self.writable():
-            return False
-        self.write(data)
-        return True
+    def pushing(self, kind: type[E], render: Callable[[E], bytes]) -> Push:
+        """The relay's push for a protocol: an event of `kind`, rendered to the response's
+        bytes and written now — rendered only once the write can go out, since rendering moves
+        a protocol's stream state on; False for any other event, or when it cannot."""
 
+        def push(event: Chunks | Delta) -> bool:
+            if not isinstance(event, kind) or not self.writable():
+                return False
+            self.write(render(event))
+            return True
 
-def _pushed_chunks(pusher: Pusher) -> Push:
-    """Chat's push: a batch of chat chunks as SSE events."""
-
-    def push(event: Chunks | Delta) -> bool:
-        return isinstance(event, Chunks) and pusher(_sse(event.payloads))
-
-    return push
+        return push
 
 
 async def _stream(request: web.Request, spec: TurnSpec) -> web.StreamResponse:
     pusher = Pusher()
-    events = request.app[RELAY].stream(spec, push=_pushed_chunks(pusher))
+    events = request.app[RELAY].stream(
+        spec, push=pusher.pushing(Chunks, lambda chunks: _sse(chunks.payloads))
+    )
     async with contextlib.aclosing(events):
         # The first event comes before any header: an early failure is a plain JSON error.
         event = await anext(events)

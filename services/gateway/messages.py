@@ -32,7 +32,7 @@ from services.gateway.messages_translate import (
     parse_request,
 )
 from services.gateway.protocols import Protocol, Route, Twins
-from services.gateway.relay import Chunks, Delta, Done, Push, TurnSpec, split_body
+from services.gateway.relay import Chunks, Done, Push, TurnSpec, split_body
 from services.runtime.errors import NotFound, RollgateError
 from services.runtime.keys import key_digest
 from services.runtime.logs import get_logger
@@ -137,14 +137,13 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         message_id=message_id, model=call.model, stop_sequences=call.stop_sequences
     )
     pusher = chat.Pusher()
-
-    def push(event: Chunks | Delta) -> bool:
-        # A batch of chat chunks as Anthropic's events, written now when the client keeps up.
-        if not isinstance(event, Chunks) or not pusher.writable():
-            return False
-        pusher.write(b"".join(e for chunk in _parsed(event.payloads) for e in stream.feed(chunk)))
-        return True
-
+    # A batch of chat chunks as Anthropic's events, written as the worker's stream reads it.
+    push = pusher.pushing(
+        Chunks,
+        lambda chunks: b"".join(
+            event for chunk in _parsed(chunks.payloads) for event in stream.feed(chunk)
+        ),
+    )
     batches = _chunks(request, spec, push)
     # Read before any header is sent: a failure before the first token is a plain JSON error.
     first = await anext(batches, None)

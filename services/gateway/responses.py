@@ -23,7 +23,7 @@ from services.gateway.chat import SSE_DONE, EventStream, Pusher
 from services.gateway.header_mode import TurnTags, turn_tags
 from services.gateway.http_errors import json_response
 from services.gateway.protocols import Protocol, Route, openai_paths
-from services.gateway.relay import Chunks, Delta, Done, Event, Push, bridge_spec
+from services.gateway.relay import Delta, Done, Event, bridge_spec
 from services.gateway.responses_store import CONVERSATIONS, conversations_ctx
 from services.gateway.responses_translate import (
     ItemIds,
@@ -276,7 +276,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     )
     pusher = Pusher()
     upstream = request.app[RELAY].stream(
-        spec, push=_pushed_deltas(pusher, builder) if call.stream else None
+        spec,
+        push=pusher.pushing(Delta, lambda delta: b"".join(builder.delta(delta)))
+        if call.stream
+        else None,
     )
     async with contextlib.aclosing(upstream) as items:
         if call.stream:
@@ -293,18 +296,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     response = json_response(final)
     response.headers[INTERACTION_HEADER] = done.interaction_id
     return response
-
-
-def _pushed_deltas(pusher: Pusher, builder: ResponseBuilder) -> Push:
-    """The Responses stream's push: a delta as its Responses events."""
-
-    def push(event: Chunks | Delta) -> bool:
-        if not isinstance(event, Delta) or not pusher.writable():
-            return False
-        pusher.write(b"".join(builder.delta(event)))
-        return True
-
-    return push
 
 
 async def _stream(
