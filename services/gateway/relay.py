@@ -29,13 +29,21 @@ import orjson
 from protos import common_pb2, worker_pb2
 from services.gateway.header_mode import TurnTags
 from services.gateway.json_body import dump_json
-from services.gateway.ledger import Admitted, LedgerClient, Recorded
+from services.gateway.ledger import (
+    BEGIN_ATTEMPTS,
+    RECORD_ATTEMPTS,
+    Admitted,
+    LedgerClient,
+    Recorded,
+    Unanswered,
+)
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
 from services.gateway.worker_calls import (
     STOPPING_CODE,
     UNAVAILABLE_CODE,
     EventSink,
+    LastHook,
     WorkerTurn,
     WorkerTurns,
 )
@@ -318,8 +326,32 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return {}
 
 
+@dataclass(slots=True)
+class _Turn:
+    """What the relay knows of a turn as it goes: filled in by the caller's task and by the
+    read callbacks that start the turn on its worker and send its record."""
+
+    clock: TurnClock
+    admitted: Admitted | None = None
+    turn: WorkerTurn | None = None
+    # A streamed turn's (tokens, version), from its admission on.
+    spans: _VersionSpans | None = None
+    # What a begin sent at once got when it started no turn.
+    begun: RollgateError | Unanswered | None = None
+    # The answer to the record sent as the last event was read (`TurnRelay._hook`).
+    recording: asyncio.Future[Recorded | RollgateError | Unanswered] | None = None
+
+
+# The record could not be sent as the last event was read (no open ledger stream for it).
+_NOT_SENT = Unanswered(-1)
+
+
 class Routes(Protocol):
     """Which worker serves a turn."""
+
+    def cached(self, route_key: str, model: str) -> WorkerChoice | None:
+        """The worker known for (route key, model) without asking anyone, if any."""
+        ...
 
     async def choose(
         self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
@@ -337,6 +369,10 @@ class RouterRoutes:
     def __init__(self, router: RouterAsyncStub, cache: RouteCache) -> None:
         self._router = router
         self._cache = cache
+
+    def cached(self, route_key: str, model: str) -> WorkerChoice | None:
+        """The cached choice, if any."""
+        return self._cache.get(route_key, model)
 
     async def choose(
         self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
@@ -379,6 +415,8 @@ class TurnRelay:
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._metrics = metrics
+        # Releases of admissions that came after their caller gave up (`_release_later`).
+        self._releasing: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
         """Ends the workers' streams (gateway shutdown, after its in-flight turns)."""
@@ -397,20 +435,16 @@ class TurnRelay:
         yielded go to it as they are read, from the worker stream's read callback, as the
         Chunks or Delta this generator would yield, instead of waking its caller per batch;
         what it refuses is yielded, in order, and Done as always."""
-        admitted: Admitted | None = None
+        state = _Turn(TurnClock(self._metrics, stream=True))
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
         failure: RollgateError | None = None
-        turn: WorkerTurn | None = None
-        clock = TurnClock(self._metrics, stream=True)
+        clock = state.clock
         try:
-            # Admission first: a key that is unknown, revoked or between episodes is refused
-            # before the router places it, so it leaves no affinity behind.
-            admitted = await self._begin(spec)
-            choice = await self._route(spec)
-            turn, events, choice = await self._open(spec, admitted, choice, stream=True)
+            turn, events, choice = await self._start(spec, state, stream=True)
             if on_routed is not None:
                 on_routed(choice.address)
-            spans = _VersionSpans(ledger=self._ledger, admitted=admitted.weight_version)
+            spans = state.spans
+            assert spans is not None
             # Chunks that came together go on together (one event, one client write); those
             # that came with the record go with the end, unless nothing was sent before them
             # (the first token is never held back).
@@ -418,7 +452,10 @@ class TurnRelay:
             record: worker_pb2.GenerateResponse | None = None
             while record is None:
                 payloads: list[bytes] = []
+                deltas: list[Delta] = []
                 prompt_tokens = 0
+                # Every event taken is counted before anything is yielded (a caller may wait
+                # at a yield): the record sent as the last event is read (`_hook`) has them all.
                 for event in events:
                     message = event.generated
                     if message.HasField("record"):
@@ -430,11 +467,13 @@ class TurnRelay:
                         clock.output()
                     if spec.deltas_only:
                         if batch.HasField("delta"):
-                            sent = True
-                            yield _delta(batch.delta)
+                            deltas.append(_delta(batch.delta))
                     elif batch.chunks:
                         payloads.extend(batch.chunks)
                         prompt_tokens = batch.prompt_tokens
+                for delta in deltas:
+                    sent = True
+                    yield delta
                 if payloads and (record is None or not sent):
                     sent = True
                     yield Chunks(payloads=payloads, prompt_tokens=prompt_tokens)
@@ -444,11 +483,12 @@ class TurnRelay:
                         turn.sink = _pushing(push, spans, clock, deltas=spec.deltas_only)
                     events = await turn.events()
             tail = record.chunks
-            spans.add(tail.output_tokens)
-            if tail.output_tokens:
-                clock.output()
+            if state.recording is None:  # else counted as it was read (`_hook`)
+                spans.add(tail.output_tokens)
+                if tail.output_tokens:
+                    clock.output()
             recording = True
-            recorded = await self._record(spec, admitted, record.record, spans.spans)
+            recorded = await self._recorded(spec, state, record.record, spans.spans)
             ended = True
             clock.recorded(record.record)
             yield self._done(
@@ -464,12 +504,7 @@ class TurnRelay:
             clock.failed(err)
             raise
         finally:
-            if turn is not None:
-                # Stops the generation when the caller gave up or the turn failed.
-                turn.cancel()
-            if admitted is not None and not ended:
-                failed_call = "Ledger.record" if recording else "Worker.Generate"
-                await self._release(spec, admitted, failure, failed_call)
+            await self._end(spec, state, ended=ended, recording=recording, failure=failure)
 
     async def complete(self, spec: TurnSpec) -> tuple[bytes, Done]:
         """One non-streaming turn: the body for the client and Done, after the record."""
@@ -484,32 +519,110 @@ class TurnRelay:
         return answer.body_json
 
     async def _complete(self, spec: TurnSpec) -> tuple[worker_pb2.CompleteResponse, Recorded]:
-        admitted: Admitted | None = None
+        state = _Turn(TurnClock(self._metrics, stream=False))
         recording = ended = False
         failure: RollgateError | None = None
-        turn: WorkerTurn | None = None
-        clock = TurnClock(self._metrics, stream=False)
         try:
-            admitted = await self._begin(spec)
-            choice = await self._route(spec)
-            turn, events, _ = await self._open(spec, admitted, choice, stream=False)
+            _, events, _ = await self._start(spec, state, stream=False)
             answer = events[0].completed
             recording = True
-            recorded = await self._record(spec, admitted, answer.record, None)
+            recorded = await self._recorded(spec, state, answer.record, None)
             ended = True
-            clock.recorded(answer.record)
+            state.clock.recorded(answer.record)
             return answer, recorded
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
             failure = err
-            clock.failed(err)
+            state.clock.failed(err)
             raise
         finally:
-            if turn is not None:
-                turn.cancel()
-            if admitted is not None and not ended:
-                failed_call = "Ledger.record" if recording else "Worker.Complete"
-                await self._release(spec, admitted, failure, failed_call)
+            await self._end(spec, state, ended=ended, recording=recording, failure=failure)
+
+    async def _end(
+        self,
+        spec: TurnSpec,
+        state: _Turn,
+        *,
+        ended: bool,
+        recording: bool,
+        failure: RollgateError | None,
+    ) -> None:
+        """What a turn leaves behind when it is over: its generation stopped (the caller gave
+        up or the turn failed), its lease released unless its record was answered."""
+        if state.turn is not None:
+            state.turn.cancel()
+        if state.admitted is not None and not ended:
+            if recording or state.recording is not None:
+                failed_call = "Ledger.record"
+            else:
+                failed_call = "Worker.Generate" if state.spans is not None else "Worker.Complete"
+            await self._release(spec, state.admitted, failure, failed_call)
+
+    async def _start(
+        self, spec: TurnSpec, state: _Turn, *, stream: bool
+    ) -> tuple[WorkerTurn, list[worker_pb2.TurnEvent], WorkerChoice]:
+        """Admits the turn, starts it on its worker and waits for its first events.
+
+        Admission first: a key that is unknown, revoked or between episodes is refused before
+        the router places it, so it leaves no affinity behind. When the turn's worker is known
+        (its route cached) and its ledger stream open, the begin goes out at once and the turn
+        is started from the ledger's read callback as the admission is read: the caller wakes
+        once, at the worker's first events, not also at the admission."""
+        trace = tracing.current()
+        traceparent = trace.header() if trace is not None else ""
+        attempts, tried = BEGIN_ATTEMPTS, None
+        cached = self._routes.cached(spec.route_key, spec.model)
+        if cached is not None:
+            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def admitted(outcome: Admitted | RollgateError | Unanswered) -> None:
+                assert cached is not None
+                if woken.done():  # its caller gave up waiting (cancelled)
+                    if isinstance(outcome, Admitted):
+                        self._release_later(spec, outcome)
+                    return
+                if isinstance(outcome, Admitted):
+                    state.admitted = outcome
+                    turn = self._start_turn(spec, state, cached, stream=stream, trace=traceparent)
+                    turn.notify(woken)
+                else:
+                    state.begun = outcome
+                    woken.set_result(None)
+
+            if self._ledger.begin_now(
+                route_key=spec.route_key,
+                digest=spec.digest,
+                session_id=spec.tags.session_id,
+                request_id=spec.request_id,
+                timeout_s=spec.remaining_s(),
+                then=admitted,
+            ):
+                await woken
+                if state.turn is not None:
+                    return await self._open(
+                        spec, state, cached, stream=stream, trace=traceparent, turn=state.turn
+                    )
+                if not isinstance(state.begun, Unanswered):
+                    assert state.begun is not None
+                    raise state.begun
+                attempts, tried = BEGIN_ATTEMPTS - 1, state.begun.replica
+        state.admitted = await self._ledger.begin(
+            route_key=spec.route_key,
+            digest=spec.digest,
+            session_id=spec.tags.session_id,
+            request_id=spec.request_id,
+            timeout_s=spec.remaining_s(),
+            attempts=attempts,
+            tried=tried,
+        )
+        choice = await self._route(spec)
+        return await self._open(spec, state, choice, stream=stream, trace=traceparent)
+
+    def _release_later(self, spec: TurnSpec, admitted: Admitted) -> None:
+        """Releases an admission that came after its caller gave up (from a read callback)."""
+        task = asyncio.create_task(self._release(spec, admitted, None, "Ledger.begin"))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _route(self, spec: TurnSpec, avoid_worker_id: str = "") -> WorkerChoice:
         return await self._routes.choose(
@@ -525,15 +638,6 @@ class TurnRelay:
         log.warning("worker_unreachable_rerouting", worker_id=choice.worker_id)
         return await self._route(spec, avoid_worker_id=choice.worker_id)
 
-    async def _begin(self, spec: TurnSpec) -> Admitted:
-        return await self._ledger.begin(
-            route_key=spec.route_key,
-            digest=spec.digest,
-            session_id=spec.tags.session_id,
-            request_id=spec.request_id,
-            timeout_s=spec.remaining_s(),
-        )
-
     def _generate_request(self, spec: TurnSpec, admitted: Admitted) -> worker_pb2.GenerateRequest:
         return worker_pb2.GenerateRequest(
             request_json=spec.request_json,
@@ -544,22 +648,22 @@ class TurnRelay:
         )
 
     async def _open(
-        self, spec: TurnSpec, admitted: Admitted, choice: WorkerChoice, *, stream: bool
+        self,
+        spec: TurnSpec,
+        state: _Turn,
+        choice: WorkerChoice,
+        *,
+        stream: bool,
+        trace: str,
+        turn: WorkerTurn | None = None,
     ) -> tuple[WorkerTurn, list[worker_pb2.TurnEvent], WorkerChoice]:
-        """Starts the turn on its worker's stream and waits for its first events (routed to
-        another worker once when that one cannot be reached), before anything reaches the
-        client."""
-        request = self._generate_request(spec, admitted)
-        trace = tracing.current()
+        """Waits for the first events of the turn (started on `choice`'s stream unless
+        `turn` is), routed to another worker once when that one cannot be reached, before
+        anything reaches the client."""
         rerouted = False
         while True:
-            turn = self._workers.start(
-                choice.address,
-                request,
-                stream=stream,
-                timeout_s=spec.remaining_s(),
-                traceparent=trace.header() if trace is not None else "",
-            )
+            if turn is None:
+                turn = self._start_turn(spec, state, choice, stream=stream, trace=trace)
             try:
                 return turn, await turn.events(), choice
             except RollgateError as error:
@@ -570,14 +674,95 @@ class TurnRelay:
             finally:
                 if not turn.received:
                     turn.cancel()
+            turn = None
 
-    async def _record(
+    def _start_turn(
+        self, spec: TurnSpec, state: _Turn, choice: WorkerChoice, *, stream: bool, trace: str
+    ) -> WorkerTurn:
+        """Starts the turn on `choice`'s stream (no wait), its record sent as its last event
+        is read (`_hook`)."""
+        admitted = state.admitted
+        assert admitted is not None
+        if stream and state.spans is None:
+            state.spans = _VersionSpans(ledger=self._ledger, admitted=admitted.weight_version)
+        turn = state.turn = self._workers.start(
+            choice.address,
+            self._generate_request(spec, admitted),
+            stream=stream,
+            timeout_s=spec.remaining_s(),
+            traceparent=trace,
+        )
+        turn.on_last = self._hook(spec, state, turn, trace)
+        return turn
+
+    def _hook(self, spec: TurnSpec, state: _Turn, turn: WorkerTurn, trace: str) -> LastHook:
+        """The turn's last event, as it is read: its record goes to the ledger at once, and
+        its caller wakes once that is answered (`_recorded` takes the answer)."""
+
+        def on_last(event: worker_pb2.TurnEvent) -> bool:
+            admitted = state.admitted
+            assert admitted is not None
+            spans: list[tuple[int, int]] | None = None
+            if event.WhichOneof("event") == "completed":
+                record = event.completed.record
+            else:
+                generated = event.generated
+                record = generated.record
+                tail = generated.chunks.output_tokens
+                assert state.spans is not None
+                state.spans.add(tail)
+                if tail:
+                    state.clock.output()
+                spans = state.spans.spans
+            answered: asyncio.Future[Recorded | RollgateError | Unanswered]
+            answered = asyncio.get_running_loop().create_future()
+
+            def then(outcome: Recorded | RollgateError | Unanswered) -> None:
+                if not answered.done():
+                    answered.set_result(outcome)
+                turn.wake()
+
+            state.recording = answered
+            sent = self._ledger.record_now(
+                route_key=spec.route_key,
+                ticket=admitted.ticket,
+                record=record,
+                request_json=spec.request_json,
+                interaction_id=spec.interaction_id,
+                turn_type=spec.tags.turn_type,
+                session_done=spec.tags.session_done,
+                request_id=spec.request_id,
+                spans=spans,
+                timeout_s=spec.remaining_s(),
+                traceparent=trace,
+                then=then,
+            )
+            if not sent:
+                answered.set_result(_NOT_SENT)
+            return sent
+
+        return on_last
+
+    async def _recorded(
         self,
         spec: TurnSpec,
-        admitted: Admitted,
+        state: _Turn,
         record: common_pb2.TurnRecord,
         spans: list[tuple[int, int]] | None,
     ) -> Recorded:
+        """The turn's record: the answer to the one sent as its last event was read, else
+        (not sent, or its stream broke) written now."""
+        admitted = state.admitted
+        assert admitted is not None
+        attempts, tried = RECORD_ATTEMPTS, None
+        if state.recording is not None:
+            outcome = await state.recording
+            if isinstance(outcome, Recorded):
+                return outcome
+            if isinstance(outcome, RollgateError):
+                raise outcome
+            if outcome is not _NOT_SENT:
+                attempts, tried = RECORD_ATTEMPTS - 1, outcome.replica
         return await self._ledger.record(
             route_key=spec.route_key,
             ticket=admitted.ticket,
@@ -589,6 +774,8 @@ class TurnRelay:
             request_id=spec.request_id,
             spans=spans,
             timeout_s=spec.remaining_s(),
+            attempts=attempts,
+            tried=tried,
         )
 
     def _done(
