@@ -417,6 +417,14 @@ class TurnRelay:
         self._metrics = metrics
         # Releases of admissions that came after their caller gave up (`_release_later`).
         self._releasing: set[asyncio.Task[None]] = set()
+        # The loop, once known (asyncio.get_running_loop costs a getpid system call).
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _future(self) -> asyncio.Future[Any]:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.create_future()
 
     async def close(self) -> None:
         """Ends the workers' streams (gateway shutdown, after its in-flight turns)."""
@@ -573,7 +581,7 @@ class TurnRelay:
         attempts, tried = BEGIN_ATTEMPTS, None
         cached = self._routes.cached(spec.route_key, spec.model)
         if cached is not None:
-            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            woken: asyncio.Future[None] = self._future()
 
             def admitted(outcome: Admitted | RollgateError | Unanswered) -> None:
                 assert cached is not None
@@ -714,8 +722,7 @@ class TurnRelay:
                 if tail:
                     state.clock.output()
                 spans = state.spans.spans
-            answered: asyncio.Future[Recorded | RollgateError | Unanswered]
-            answered = asyncio.get_running_loop().create_future()
+            answered: asyncio.Future[Recorded | RollgateError | Unanswered] = self._future()
 
             def then(outcome: Recorded | RollgateError | Unanswered) -> None:
                 if not answered.done():
