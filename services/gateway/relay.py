@@ -49,6 +49,7 @@ from services.gateway.worker_calls import (
 )
 from services.runtime import tracing
 from services.runtime.errors import (
+    InternalError,
     RollgateError,
     UpstreamTimeout,
     check_identifier,
@@ -270,13 +271,22 @@ class _VersionSpans:
 
     def add(self, tokens: int) -> None:
         """Stamps `tokens` with the current version (never older than the admission one)."""
+        self._stamp(self.spans, tokens)
+
+    def plus(self, tokens: int) -> list[tuple[int, int]]:
+        """A copy of the spans with `tokens` more, stamped as `add` would."""
+        spans = list(self.spans)
+        self._stamp(spans, tokens)
+        return spans
+
+    def _stamp(self, spans: list[tuple[int, int]], tokens: int) -> None:
         if tokens <= 0:
             return
         version = max(self._ledger.weight_version, self._admitted)
-        if self.spans and self.spans[-1][1] == version:
-            self.spans[-1] = (self.spans[-1][0] + tokens, version)
+        if spans and spans[-1][1] == version:
+            spans[-1] = (spans[-1][0] + tokens, version)
         else:
-            self.spans.append((tokens, version))
+            spans.append((tokens, version))
 
 
 # Writes what one batch brought (Chunks, or a Delta for `deltas_only`) to the client at once
@@ -338,12 +348,9 @@ class _Turn:
     spans: _VersionSpans | None = None
     # What a begin sent at once got when it started no turn.
     begun: RollgateError | Unanswered | None = None
-    # The answer to the record sent as the last event was read (`TurnRelay._hook`).
+    # The answer to the record sent as the last event was read (`TurnRelay._hook`), once
+    # it was sent.
     recording: asyncio.Future[Recorded | RollgateError | Unanswered] | None = None
-
-
-# The record could not be sent as the last event was read (no open ledger stream for it).
-_NOT_SENT = Unanswered(-1)
 
 
 class Routes(Protocol):
@@ -491,10 +498,9 @@ class TurnRelay:
                         turn.sink = _pushing(push, spans, clock, deltas=spec.deltas_only)
                     events = await turn.events()
             tail = record.chunks
-            if state.recording is None:  # else counted as it was read (`_hook`)
-                spans.add(tail.output_tokens)
-                if tail.output_tokens:
-                    clock.output()
+            spans.add(tail.output_tokens)
+            if tail.output_tokens:
+                clock.output()
             recording = True
             recorded = await self._recorded(spec, state, record.record, spans.spans)
             ended = True
@@ -589,13 +595,20 @@ class TurnRelay:
                     if isinstance(outcome, Admitted):
                         self._release_later(spec, outcome)
                     return
-                if isinstance(outcome, Admitted):
-                    state.admitted = outcome
-                    turn = self._start_turn(spec, state, cached, stream=stream, trace=traceparent)
-                    turn.notify(woken)
-                else:
+                try:
+                    if isinstance(outcome, Admitted):
+                        state.admitted = outcome
+                        self._start_turn(spec, state, cached, stream=stream, trace=traceparent)
+                        assert state.turn is not None
+                        state.turn.notify(woken)
+                        return
                     state.begun = outcome
-                    woken.set_result(None)
+                except Exception as err:  # a bug: the caller fails the turn, not wait forever
+                    log.error("turn_start_failed", error=type(err).__name__)
+                    state.begun = InternalError(
+                        "the gateway could not start the turn; see its logs", code="turn_start"
+                    )
+                woken.set_result(None)
 
             if self._ledger.begin_now(
                 route_key=spec.route_key,
@@ -606,14 +619,15 @@ class TurnRelay:
                 then=admitted,
             ):
                 await woken
-                if state.turn is not None:
+                begun = state.begun
+                if begun is None:
+                    assert state.turn is not None
                     return await self._open(
                         spec, state, cached, stream=stream, trace=traceparent, turn=state.turn
                     )
-                if not isinstance(state.begun, Unanswered):
-                    assert state.begun is not None
-                    raise state.begun
-                attempts, tried = BEGIN_ATTEMPTS - 1, state.begun.replica
+                if not isinstance(begun, Unanswered):
+                    raise begun
+                attempts, tried = BEGIN_ATTEMPTS - 1, begun.replica
         state.admitted = await self._ledger.begin(
             route_key=spec.route_key,
             digest=spec.digest,
@@ -714,23 +728,16 @@ class TurnRelay:
             if event.WhichOneof("event") == "completed":
                 record = event.completed.record
             else:
-                generated = event.generated
-                record = generated.record
-                tail = generated.chunks.output_tokens
                 assert state.spans is not None
-                state.spans.add(tail)
-                if tail:
-                    state.clock.output()
-                spans = state.spans.spans
+                record = event.generated.record
+                spans = state.spans.plus(event.generated.chunks.output_tokens)
             answered: asyncio.Future[Recorded | RollgateError | Unanswered] = self._future()
 
             def then(outcome: Recorded | RollgateError | Unanswered) -> None:
-                if not answered.done():
-                    answered.set_result(outcome)
+                answered.set_result(outcome)
                 turn.wake()
 
-            state.recording = answered
-            sent = self._ledger.record_now(
+            if not self._ledger.record_now(
                 route_key=spec.route_key,
                 ticket=admitted.ticket,
                 record=record,
@@ -743,10 +750,10 @@ class TurnRelay:
                 timeout_s=spec.remaining_s(),
                 traceparent=trace,
                 then=then,
-            )
-            if not sent:
-                answered.set_result(_NOT_SENT)
-            return sent
+            ):
+                return False
+            state.recording = answered
+            return True
 
         return on_last
 
@@ -768,8 +775,7 @@ class TurnRelay:
                 return outcome
             if isinstance(outcome, RollgateError):
                 raise outcome
-            if outcome is not _NOT_SENT:
-                attempts, tried = RECORD_ATTEMPTS - 1, outcome.replica
+            attempts, tried = RECORD_ATTEMPTS - 1, outcome.replica
         return await self._ledger.record(
             route_key=spec.route_key,
             ticket=admitted.ticket,
