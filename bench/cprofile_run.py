@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import cProfile
+import os
 import runpy
 import sys
 import time
@@ -20,6 +21,9 @@ def main() -> None:
     """Profiles argv[2] as `python -m`, writing the stats to argv[1]."""
     out, module = sys.argv[1], sys.argv[2]
     sys.argv = [module, *sys.argv[3:]]
+    # As `python -m` has it: the working directory (the checkout being run, `--rollgate-root`)
+    # first, not this script's (else an editable install's checkout is what gets profiled).
+    sys.path[0] = os.getcwd()
     profile = cProfile.Profile(time.thread_time)
 
     def dump() -> None:

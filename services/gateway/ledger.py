@@ -14,6 +14,11 @@ that replica's stream takes no begins until it ends, so a rolling restart of dat
 is invisible to clients when the target lists more than one. Each stream is the replica's framed
 one when it offers it (services/runtime/framed.py: the same messages on a plain connection,
 cheaper per message), else its gRPC `Ledger` call.
+
+`begin_now` and `record_now` send an op at once on an open stream and hand its answer to a
+callback, from the stream's read callback, instead of a task waiting for it (the relay starts
+the worker, or wakes its caller, right there); an op whose stream broke, or a begin a stopping
+dataproxy refused, gets `Unanswered`, and `begin` / `record` take it on with the attempts left.
 """
 
 from __future__ import annotations

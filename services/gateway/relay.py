@@ -10,6 +10,13 @@ the caller's end (`Done`: the recorded assistant message, usage and finish reaso
 re-accumulated here). The end is never given before the record is written: an answered turn
 is a recorded turn.
 
+The caller's task waits only where it must: once its route is cached and its ledger stream
+open, the begin goes out at once and the turn is started on its worker from the ledger's read
+callback as the admission is read (`_start`), and the record goes out from the worker stream's
+read callback as the last event is read (`_hook`); the caller wakes at the first events and
+once the record is answered. Whatever is not usual there (no open stream, a stream that broke,
+a stopping dataproxy) goes on in the caller's task, with the attempts left.
+
 The body is parsed once, by the protocol handler; the relay sends the worker the recorded
 part (`{"tools"?, "messages"}`, which the worker forwards without parsing it) and the other
 fields, and the dataproxy the same recorded part with the worker's record.

@@ -159,3 +159,25 @@ def test_threads_are_read_from_proc_by_name() -> None:
     # Named by the kernel: the main thread after the program, others as their creator set.
     assert threads and all(cpu >= 0 for cpu in threads.values())
     assert sum(threads.values()) <= processes.cpu_s()["me"] + 0.05
+
+
+def test_cprofile_run_profiles_the_checkout_it_runs_in(tmp_path: Path) -> None:
+    # `--rollgate-root` runs another checkout's services: its `services` package, found from
+    # the working directory as `python -m` finds it, not this one's (an editable install).
+    package = tmp_path / "services"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "probe.py").write_text("print(__file__)\n")
+    stats = tmp_path / "out.prof"
+    runner = Path(__file__).resolve().parents[2] / "bench" / "cprofile_run.py"
+
+    done = subprocess.run(
+        [sys.executable, str(runner), str(stats), "services.probe"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+    assert Path(done.stdout.strip()) == package / "probe.py"
+    assert stats.exists()
