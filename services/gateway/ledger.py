@@ -13,12 +13,8 @@ dataproxy refused (`dataproxy_stopping`: not started) is retried once on another
 that replica's stream takes no begins until it ends, so a rolling restart of dataproxies
 is invisible to clients when the target lists more than one. Each stream is the replica's framed
 one when it offers it (services/runtime/framed.py: the same messages on a plain connection,
-cheaper per message), else its gRPC `Ledger` call.
-
-`begin_now` and `record_now` send an op at once on an open stream and hand its answer to a
-callback, from the stream's read callback, instead of a task waiting for it (the relay starts
-the worker, or wakes its caller, right there); an op whose stream broke, or a begin a stopping
-dataproxy refused, gets `Unanswered`, and `begin` / `record` take it on with the attempts left.
+cheaper per message), else its gRPC `Ledger` call. An admission that arrives after its begin's
+caller gave up (cancelled, or past its deadline) is released at once (`_release_abandoned`).
 """
 
 from __future__ import annotations
@@ -63,6 +59,8 @@ READY = grpc.ChannelConnectivity.READY
 # The dataproxy's answer to a begin while it shuts down (services/dataproxy/ledger_streams.py):
 # the turn was not started, so another replica may take it.
 STOPPING_CODE = "dataproxy_stopping"
+# The release of an admission whose caller is gone is one small op, answered at once.
+ABANDONED_RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,22 +108,6 @@ class Recorded:
     session_id: str
 
 
-class Unanswered:
-    """What an op sent at once (`begin_now`, `record_now`) gets when its stream broke or its
-    dataproxy refused it as stopping: not answered; the op's coroutine (`begin`, `record`)
-    takes it from there, with one attempt fewer and that replica (`replica`) tried."""
-
-    __slots__ = ("replica",)
-
-    def __init__(self, replica: int) -> None:
-        self.replica = replica
-
-
-# Where the answer of an op sent at once goes, from the stream's read callback (or its
-# deadline sweep, or its end): the answer, or why there is none.
-Settle = Callable[["dataproxy_pb2.LedgerResponse | RollgateError | _StreamLost"], None]
-
-
 class _StreamLost(Exception):
     """The stream an op was sent on broke before its answer came."""
 
@@ -155,8 +137,6 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
         self._loop = asyncio.get_running_loop()
         # op id → the future its answer goes to, and its deadline (loop time).
         self._pending: dict[int, tuple[asyncio.Future[dataproxy_pb2.LedgerResponse], float]] = {}
-        # op id → the callback its answer goes to (`ask_now`), and its deadline.
-        self._answering: dict[int, tuple[Settle, float]] = {}
         # The deadline sweep (services/runtime/tasks.py), armed while ops wait.
         self._sweep = DeadlineSweep(self._expire)
         stub = replica.stub
@@ -190,29 +170,17 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
                 # Given up (timed out, cancelled) before it was written: it is never sent.
                 self._outbox = [op for op in self._outbox if op is not request]
 
-    def ask_now(
-        self, request: dataproxy_pb2.LedgerRequest, timeout_s: float, settle: Settle
-    ) -> bool:
-        """Queues `request` at once; its answer (or its timeout, or _StreamLost) goes to
-        `settle`, called from the read callback — no task waits for it. False (nothing
-        queued) when the stream is not taking ops."""
-        if not self.alive or self._closing:
-            return False
-        self._answering[request.id] = (settle, self._loop.time() + timeout_s)
-        self._queue(request)
-        self._sweep.arm()
-        return True
-
     def _expire(self, now: float) -> bool:
         """The deadline sweep: ops past their deadline fail as timed out; True while any op
         waits."""
         for answer, deadline in self._pending.values():
             if deadline <= now and not answer.done():
-                answer.set_exception(_timed_out())
-        late = [op for op, (_, deadline) in self._answering.items() if deadline <= now]
-        for op in late:
-            _settle(self._answering.pop(op)[0], _timed_out())
-        return bool(self._pending or self._answering)
+                answer.set_exception(
+                    UpstreamTimeout(
+                        "the dataproxy did not answer in time", code="dataproxy_timeout"
+                    )
+                )
+        return bool(self._pending)
 
     def _batch(self, ops: list[dataproxy_pb2.LedgerRequest]) -> dataproxy_pb2.LedgerRequests:
         return dataproxy_pb2.LedgerRequests(ops=ops)
@@ -227,11 +195,23 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
                     self._ledger.saw_version(answer.weight_version)
                 continue
             pending = self._pending.get(answer.id)
-            if pending is not None:
-                if not pending[0].done():
-                    pending[0].set_result(answer)
-            elif (answering := self._answering.pop(answer.id, None)) is not None:
-                _settle(answering[0], answer)
+            if pending is not None and not pending[0].done():
+                pending[0].set_result(answer)
+            elif answer.WhichOneof("result") == "admitted":
+                self._release_abandoned(answer.admitted.ticket)
+
+    def _release_abandoned(self, ticket: bytes) -> None:
+        """An admission nobody waits for any more (its caller was cancelled, or gave up at its
+        deadline, after the begin was sent): its lease is released at once, not left to hold
+        a place in flight — and a trainer's pause — until it expires. The release's own
+        answer is not waited for."""
+        log.info("ledger_abandoned_admission_released")
+        request = dataproxy_pb2.LedgerRequest(
+            id=self._ledger.next_id(),
+            timeout_s=ABANDONED_RELEASE_TIMEOUT_S,
+            release=dataproxy_pb2.ReleaseTurn(ticket=ticket),
+        )
+        self._queue(request)
 
     def _ended(self, error: grpc.aio.AioRpcError | None) -> None:
         self._fail(_error_of(error) if error is not None else _lost())
@@ -243,24 +223,6 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
         for waiter, _ in self._pending.values():
             if not waiter.done():
                 waiter.set_exception(_StreamLost(error))
-        answering, self._answering = self._answering, {}
-        for settle, _ in answering.values():
-            _settle(settle, _StreamLost(error))
-
-
-def _settle(
-    settle: Settle, outcome: dataproxy_pb2.LedgerResponse | RollgateError | _StreamLost
-) -> None:
-    # Called from a read callback, which must not raise: a failing callback is a bug of its
-    # owner's (it is logged; the stream and its other ops go on).
-    try:
-        settle(outcome)
-    except Exception as err:
-        log.error("ledger_answer_callback_failed", error=type(err).__name__)
-
-
-def _timed_out() -> RollgateError:
-    return UpstreamTimeout("the dataproxy did not answer in time", code="dataproxy_timeout")
 
 
 def _lost() -> RollgateError:
@@ -298,6 +260,10 @@ class LedgerClient:
         self._ids = itertools.count(1)
         self._weight_version = 0
 
+    def next_id(self) -> int:
+        """A fresh op id (ids are unique per client, over all its streams)."""
+        return next(self._ids)
+
     @property
     def weight_version(self) -> int:
         """The highest weight version any dataproxy announced (streamed tokens carry it)."""
@@ -308,69 +274,20 @@ class LedgerClient:
         self._weight_version = max(self._weight_version, version)
 
     async def begin(
-        self,
-        *,
-        route_key: str,
-        digest: str,
-        session_id: str,
-        request_id: str,
-        timeout_s: float,
-        attempts: int = BEGIN_ATTEMPTS,
-        tried: int | None = None,
+        self, *, route_key: str, digest: str, session_id: str, request_id: str, timeout_s: float
     ) -> Admitted:
-        """Admission of a turn (waits while submission is paused, up to the dataproxy's wait);
-        `tried`: a replica that already failed it (`Unanswered`)."""
+        """Admission of a turn (waits while submission is paused, up to the dataproxy's wait)."""
+        request = dataproxy_pb2.LedgerRequest()
+        op = request.begin
+        op.key_digest = digest
+        op.session_id = session_id
+        op.request_id = request_id
         answer, replica = await self._ask(
             route_key,
-            _begin_request(digest, session_id, request_id),
+            request,
             timeout_s=timeout_s,
-            attempts=attempts,
-            tried=tried,
+            attempts=BEGIN_ATTEMPTS,
         )
-        return self._admitted(answer, replica)
-
-    def begin_now(
-        self,
-        *,
-        route_key: str,
-        digest: str,
-        session_id: str,
-        request_id: str,
-        timeout_s: float,
-        then: Callable[[Admitted | RollgateError | Unanswered], None],
-    ) -> bool:
-        """`begin` without a task waiting: the op is queued at once on its replica's open
-        stream and `then` gets, from the read callback, the Admitted, the error the dataproxy
-        answered (or its timeout), or Unanswered (`begin` goes on from there). False, and
-        nothing sent, when that replica's stream is not open: use `begin`."""
-        index = self._choose(route_key, begin=True, tried=set())
-        stream = self._streams[index] if index is not None else None
-        if stream is None or not stream.alive:
-            return False
-        request = _begin_request(digest, session_id, request_id)
-        self._stamp(request, timeout_s)
-        request.id = next(self._ids)
-
-        def settle(outcome: dataproxy_pb2.LedgerResponse | RollgateError | _StreamLost) -> None:
-            assert index is not None and stream is not None
-            result: Admitted | RollgateError | Unanswered
-            if isinstance(outcome, _StreamLost):
-                result = Unanswered(index)
-            elif isinstance(outcome, RollgateError):
-                result = outcome
-            elif _refused_as_stopping(outcome):
-                stream.stopping = True
-                result = Unanswered(index)
-            else:
-                try:
-                    result = self._admitted(outcome, index)
-                except RollgateError as err:
-                    result = err
-            then(result)
-
-        return stream.ask_now(request, timeout_s, settle)
-
-    def _admitted(self, answer: dataproxy_pb2.LedgerResponse, replica: int) -> Admitted:
         admitted = _result(answer, "admitted").admitted
         self.saw_version(admitted.weight_version)
         if len(self._replicas) > 1:
@@ -394,85 +311,31 @@ class LedgerClient:
         request_id: str,
         spans: Sequence[tuple[int, int]] | None,
         timeout_s: float,
-        attempts: int = RECORD_ATTEMPTS,
-        tried: int | None = None,
     ) -> Recorded:
         """Appends the turn to its episode; `spans` are a streamed turn's (tokens, version)."""
-        request = _record_request(
-            ticket=ticket,
-            record=record,
-            request_json=request_json,
-            interaction_id=interaction_id,
-            turn_type=turn_type,
-            session_done=session_done,
-            request_id=request_id,
-            spans=spans,
-        )
+        # Built in place: a message given to a constructor is copied (the record with its
+        # token ids, then the whole op).
+        request = dataproxy_pb2.LedgerRequest()
+        op = request.record
+        op.ticket = ticket
+        op.record.CopyFrom(record)
+        op.request_json = request_json
+        op.interaction_id = interaction_id
+        op.turn_type = turn_type
+        op.session_done = session_done
+        op.request_id = request_id
+        op.streamed = spans is not None
+        for tokens, version in spans or ():
+            op.spans.add(tokens=tokens, weight_version=version)
         answer, _ = await self._ask(
             route_key,
             request,
             timeout_s=timeout_s,
-            attempts=attempts,
+            attempts=RECORD_ATTEMPTS,
             replica=self._admitted_by.pop(ticket, None),
-            tried=tried,
         )
-        return _recorded(answer)
-
-    def record_now(
-        self,
-        *,
-        route_key: str,
-        ticket: bytes,
-        record: common_pb2.TurnRecord,
-        request_json: bytes,
-        interaction_id: str,
-        turn_type: str,
-        session_done: bool,
-        request_id: str,
-        spans: Sequence[tuple[int, int]] | None,
-        timeout_s: float,
-        traceparent: str,
-        then: Callable[[Recorded | RollgateError | Unanswered], None],
-    ) -> bool:
-        """`record` without a task waiting (from a read callback: `traceparent` is the turn's,
-        given since no task's context is there): queued at once on the stream of the replica
-        that admitted the turn, `then` gets the Recorded, the error, or Unanswered (`record`
-        goes on from there). False, and nothing sent, when that stream is not open."""
-        index = self._admitted_by.get(ticket)
-        if index is None:
-            index = self._choose(route_key, begin=False, tried=set())
-        stream = self._streams[index] if index is not None else None
-        if stream is None or not stream.alive:
-            return False
-        self._admitted_by.pop(ticket, None)
-        request = _record_request(
-            ticket=ticket,
-            record=record,
-            request_json=request_json,
-            interaction_id=interaction_id,
-            turn_type=turn_type,
-            session_done=session_done,
-            request_id=request_id,
-            spans=spans,
-        )
-        self._stamp(request, timeout_s, traceparent=traceparent)
-        request.id = next(self._ids)
-
-        def settle(outcome: dataproxy_pb2.LedgerResponse | RollgateError | _StreamLost) -> None:
-            assert index is not None
-            result: Recorded | RollgateError | Unanswered
-            if isinstance(outcome, _StreamLost):
-                result = Unanswered(index)
-            elif isinstance(outcome, RollgateError):
-                result = outcome
-            else:
-                try:
-                    result = _recorded(outcome)
-                except RollgateError as err:
-                    result = err
-            then(result)
-
-        return stream.ask_now(request, timeout_s, settle)
+        recorded = _result(answer, "recorded").recorded
+        return Recorded(interaction_id=recorded.interaction_id, session_id=recorded.session_id)
 
     async def release(
         self,
@@ -552,22 +415,20 @@ class LedgerClient:
         timeout_s: float,
         attempts: int,
         replica: int | None = None,
-        tried: int | None = None,
     ) -> tuple[dataproxy_pb2.LedgerResponse, int]:
-        """The answer to `request` and the replica that gave it; `replica` is tried first,
-        `tried` (one that already failed it) last."""
-        self._stamp(request, timeout_s)
+        """The answer to `request` and the replica that gave it; `replica` is tried first."""
+        request.timeout_s = timeout_s
+        trace = tracing.current()
+        if trace is not None:
+            request.traceparent = trace.header()
         begin = request.WhichOneof("op") == "begin"
-        ruled_out: set[int] = set() if tried is None else {tried}
-        if replica is None:
-            index = self._choose(route_key, begin=begin, tried=ruled_out)
-        else:
-            index = replica
+        tried: set[int] = set()
+        index = self._choose(route_key, begin=begin, tried=tried) if replica is None else replica
         for attempt in range(attempts):
             last = attempt + 1 == attempts
             if index is None:  # a single replica, or every one stopping: a fresh stream
                 index = self._home(route_key)
-            request.id = next(self._ids)
+            request.id = self.next_id()
             if not self._is_open(index):
                 # No replica that can take it is connected: a restarted one may be in its
                 # channel's reconnect backoff (a gateway just started: not connected yet).
@@ -583,70 +444,17 @@ class LedgerClient:
                 if not (begin and _refused_as_stopping(answer)):
                     return answer, index
                 stream.stopping = True
-                ruled_out.add(index)
-                elsewhere = self._choose(route_key, begin=True, tried=ruled_out)
+                tried.add(index)
+                elsewhere = self._choose(route_key, begin=True, tried=tried)
                 if last or elsewhere is None:
                     return answer, index
                 # Not started (nothing reached a worker): another replica takes it.
                 log.warning("ledger_begin_refused_retrying_elsewhere", replica=index)
                 index = elsewhere
                 continue
-            ruled_out.add(index)
-            index = self._choose(route_key, begin=begin, tried=ruled_out)
+            tried.add(index)
+            index = self._choose(route_key, begin=begin, tried=tried)
         raise AssertionError("unreachable")
-
-    def _stamp(
-        self, request: dataproxy_pb2.LedgerRequest, timeout_s: float, *, traceparent: str = ""
-    ) -> None:
-        """An op's deadline and trace (`traceparent`, else the current task's)."""
-        request.timeout_s = timeout_s
-        if not traceparent:
-            trace = tracing.current()
-            traceparent = trace.header() if trace is not None else ""
-        if traceparent:
-            request.traceparent = traceparent
-
-
-def _begin_request(digest: str, session_id: str, request_id: str) -> dataproxy_pb2.LedgerRequest:
-    request = dataproxy_pb2.LedgerRequest()
-    op = request.begin
-    op.key_digest = digest
-    op.session_id = session_id
-    op.request_id = request_id
-    return request
-
-
-def _record_request(
-    *,
-    ticket: bytes,
-    record: common_pb2.TurnRecord,
-    request_json: bytes,
-    interaction_id: str,
-    turn_type: str,
-    session_done: bool,
-    request_id: str,
-    spans: Sequence[tuple[int, int]] | None,
-) -> dataproxy_pb2.LedgerRequest:
-    # Built in place: a message given to a constructor is copied (the record with its token
-    # ids, then the whole op).
-    request = dataproxy_pb2.LedgerRequest()
-    op = request.record
-    op.ticket = ticket
-    op.record.CopyFrom(record)
-    op.request_json = request_json
-    op.interaction_id = interaction_id
-    op.turn_type = turn_type
-    op.session_done = session_done
-    op.request_id = request_id
-    op.streamed = spans is not None
-    for tokens, version in spans or ():
-        op.spans.add(tokens=tokens, weight_version=version)
-    return request
-
-
-def _recorded(answer: dataproxy_pb2.LedgerResponse) -> Recorded:
-    recorded = _result(answer, "recorded").recorded
-    return Recorded(interaction_id=recorded.interaction_id, session_id=recorded.session_id)
 
 
 def _refused_as_stopping(answer: dataproxy_pb2.LedgerResponse) -> bool:

@@ -10,13 +10,6 @@ the caller's end (`Done`: the recorded assistant message, usage and finish reaso
 re-accumulated here). The end is never given before the record is written: an answered turn
 is a recorded turn.
 
-The caller's task waits only where it must: once its route is cached and its ledger stream
-open, the begin goes out at once and the turn is started on its worker from the ledger's read
-callback as the admission is read (`_start`), and the record goes out from the worker stream's
-read callback as the last event is read (`_hook`); the caller wakes at the first events and
-once the record is answered. Whatever is not usual there (no open stream, a stream that broke,
-a stopping dataproxy) goes on in the caller's task, with the attempts left.
-
 The body is parsed once, by the protocol handler; the relay sends the worker the recorded
 part (`{"tools"?, "messages"}`, which the worker forwards without parsing it) and the other
 fields, and the dataproxy the same recorded part with the worker's record.
@@ -36,27 +29,18 @@ import orjson
 from protos import common_pb2, worker_pb2
 from services.gateway.header_mode import TurnTags
 from services.gateway.json_body import dump_json
-from services.gateway.ledger import (
-    BEGIN_ATTEMPTS,
-    RECORD_ATTEMPTS,
-    Admitted,
-    LedgerClient,
-    Recorded,
-    Unanswered,
-)
+from services.gateway.ledger import Admitted, LedgerClient, Recorded
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
 from services.gateway.worker_calls import (
     STOPPING_CODE,
     UNAVAILABLE_CODE,
     EventSink,
-    LastHook,
     WorkerTurn,
     WorkerTurns,
 )
 from services.runtime import tracing
 from services.runtime.errors import (
-    InternalError,
     RollgateError,
     UpstreamTimeout,
     check_identifier,
@@ -278,22 +262,13 @@ class _VersionSpans:
 
     def add(self, tokens: int) -> None:
         """Stamps `tokens` with the current version (never older than the admission one)."""
-        self._stamp(self.spans, tokens)
-
-    def plus(self, tokens: int) -> list[tuple[int, int]]:
-        """A copy of the spans with `tokens` more, stamped as `add` would."""
-        spans = list(self.spans)
-        self._stamp(spans, tokens)
-        return spans
-
-    def _stamp(self, spans: list[tuple[int, int]], tokens: int) -> None:
         if tokens <= 0:
             return
         version = max(self._ledger.weight_version, self._admitted)
-        if spans and spans[-1][1] == version:
-            spans[-1] = (spans[-1][0] + tokens, version)
+        if self.spans and self.spans[-1][1] == version:
+            self.spans[-1] = (self.spans[-1][0] + tokens, version)
         else:
-            spans.append((tokens, version))
+            self.spans.append((tokens, version))
 
 
 # Writes what one batch brought (Chunks, or a Delta for `deltas_only`) to the client at once
@@ -343,29 +318,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return {}
 
 
-@dataclass(slots=True)
-class _Turn:
-    """What the relay knows of a turn as it goes: filled in by the caller's task and by the
-    read callbacks that start the turn on its worker and send its record."""
-
-    clock: TurnClock
-    admitted: Admitted | None = None
-    turn: WorkerTurn | None = None
-    # A streamed turn's (tokens, version), from its admission on.
-    spans: _VersionSpans | None = None
-    # What a begin sent at once got when it started no turn.
-    begun: RollgateError | Unanswered | None = None
-    # The answer to the record sent as the last event was read (`TurnRelay._hook`), once
-    # it was sent.
-    recording: asyncio.Future[Recorded | RollgateError | Unanswered] | None = None
-
-
 class Routes(Protocol):
     """Which worker serves a turn."""
-
-    def cached(self, route_key: str, model: str) -> WorkerChoice | None:
-        """The worker known for (route key, model) without asking anyone, if any."""
-        ...
 
     async def choose(
         self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
@@ -383,10 +337,6 @@ class RouterRoutes:
     def __init__(self, router: RouterAsyncStub, cache: RouteCache) -> None:
         self._router = router
         self._cache = cache
-
-    def cached(self, route_key: str, model: str) -> WorkerChoice | None:
-        """The cached choice, if any."""
-        return self._cache.get(route_key, model)
 
     async def choose(
         self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
@@ -429,16 +379,6 @@ class TurnRelay:
         )
         self._rpc_timeout_s = rpc_timeout_s
         self._metrics = metrics
-        # Releases of admissions that came after their caller gave up (`_release_later`).
-        self._releasing: set[asyncio.Task[None]] = set()
-        # The loop, once known (asyncio.get_running_loop costs a getpid system call).
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _future(self) -> asyncio.Future[Any]:
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        return loop.create_future()
 
     async def close(self) -> None:
         """Ends the workers' streams (gateway shutdown, after its in-flight turns)."""
@@ -457,16 +397,20 @@ class TurnRelay:
         yielded go to it as they are read, from the worker stream's read callback, as the
         Chunks or Delta this generator would yield, instead of waking its caller per batch;
         what it refuses is yielded, in order, and Done as always."""
-        state = _Turn(TurnClock(self._metrics, stream=True))
+        admitted: Admitted | None = None
         recording = ended = False  # ended: the dataproxy answered the record (lease released)
         failure: RollgateError | None = None
-        clock = state.clock
+        turn: WorkerTurn | None = None
+        clock = TurnClock(self._metrics, stream=True)
         try:
-            turn, events, choice = await self._start(spec, state, stream=True)
+            # Admission first: a key that is unknown, revoked or between episodes is refused
+            # before the router places it, so it leaves no affinity behind.
+            admitted = await self._begin(spec)
+            choice = await self._route(spec)
+            turn, events, choice = await self._open(spec, admitted, choice, stream=True)
             if on_routed is not None:
                 on_routed(choice.address)
-            spans = state.spans
-            assert spans is not None
+            spans = _VersionSpans(ledger=self._ledger, admitted=admitted.weight_version)
             # Chunks that came together go on together (one event, one client write); those
             # that came with the record go with the end, unless nothing was sent before them
             # (the first token is never held back).
@@ -474,10 +418,7 @@ class TurnRelay:
             record: worker_pb2.GenerateResponse | None = None
             while record is None:
                 payloads: list[bytes] = []
-                deltas: list[Delta] = []
                 prompt_tokens = 0
-                # Every event taken is counted before anything is yielded (a caller may wait
-                # at a yield): the record sent as the last event is read (`_hook`) has them all.
                 for event in events:
                     message = event.generated
                     if message.HasField("record"):
@@ -489,13 +430,11 @@ class TurnRelay:
                         clock.output()
                     if spec.deltas_only:
                         if batch.HasField("delta"):
-                            deltas.append(_delta(batch.delta))
+                            sent = True
+                            yield _delta(batch.delta)
                     elif batch.chunks:
                         payloads.extend(batch.chunks)
                         prompt_tokens = batch.prompt_tokens
-                for delta in deltas:
-                    sent = True
-                    yield delta
                 if payloads and (record is None or not sent):
                     sent = True
                     yield Chunks(payloads=payloads, prompt_tokens=prompt_tokens)
@@ -509,7 +448,7 @@ class TurnRelay:
             if tail.output_tokens:
                 clock.output()
             recording = True
-            recorded = await self._recorded(spec, state, record.record, spans.spans)
+            recorded = await self._record(spec, admitted, record.record, spans.spans)
             ended = True
             clock.recorded(record.record)
             yield self._done(
@@ -525,7 +464,12 @@ class TurnRelay:
             clock.failed(err)
             raise
         finally:
-            await self._end(spec, state, ended=ended, recording=recording, failure=failure)
+            if turn is not None:
+                # Stops the generation when the caller gave up or the turn failed.
+                turn.cancel()
+            if admitted is not None and not ended:
+                failed_call = "Ledger.record" if recording else "Worker.Generate"
+                await self._release(spec, admitted, failure, failed_call)
 
     async def complete(self, spec: TurnSpec) -> tuple[bytes, Done]:
         """One non-streaming turn: the body for the client and Done, after the record."""
@@ -540,118 +484,32 @@ class TurnRelay:
         return answer.body_json
 
     async def _complete(self, spec: TurnSpec) -> tuple[worker_pb2.CompleteResponse, Recorded]:
-        state = _Turn(TurnClock(self._metrics, stream=False))
+        admitted: Admitted | None = None
         recording = ended = False
         failure: RollgateError | None = None
+        turn: WorkerTurn | None = None
+        clock = TurnClock(self._metrics, stream=False)
         try:
-            _, events, _ = await self._start(spec, state, stream=False)
+            admitted = await self._begin(spec)
+            choice = await self._route(spec)
+            turn, events, _ = await self._open(spec, admitted, choice, stream=False)
             answer = events[0].completed
             recording = True
-            recorded = await self._recorded(spec, state, answer.record, None)
+            recorded = await self._record(spec, admitted, answer.record, None)
             ended = True
-            state.clock.recorded(answer.record)
+            clock.recorded(answer.record)
             return answer, recorded
         except RollgateError as err:
             ended = ended or (recording and err.code not in _UNANSWERED)
             failure = err
-            state.clock.failed(err)
+            clock.failed(err)
             raise
         finally:
-            await self._end(spec, state, ended=ended, recording=recording, failure=failure)
-
-    async def _end(
-        self,
-        spec: TurnSpec,
-        state: _Turn,
-        *,
-        ended: bool,
-        recording: bool,
-        failure: RollgateError | None,
-    ) -> None:
-        """What a turn leaves behind when it is over: its generation stopped (the caller gave
-        up or the turn failed), its lease released unless its record was answered."""
-        if state.turn is not None:
-            state.turn.cancel()
-        if state.admitted is not None and not ended:
-            if recording or state.recording is not None:
-                failed_call = "Ledger.record"
-            else:
-                failed_call = "Worker.Generate" if state.spans is not None else "Worker.Complete"
-            await self._release(spec, state.admitted, failure, failed_call)
-
-    async def _start(
-        self, spec: TurnSpec, state: _Turn, *, stream: bool
-    ) -> tuple[WorkerTurn, list[worker_pb2.TurnEvent], WorkerChoice]:
-        """Admits the turn, starts it on its worker and waits for its first events.
-
-        Admission first: a key that is unknown, revoked or between episodes is refused before
-        the router places it, so it leaves no affinity behind. When the turn's worker is known
-        (its route cached) and its ledger stream open, the begin goes out at once and the turn
-        is started from the ledger's read callback as the admission is read: the caller wakes
-        once, at the worker's first events, not also at the admission."""
-        trace = tracing.current()
-        traceparent = trace.header() if trace is not None else ""
-        attempts, tried = BEGIN_ATTEMPTS, None
-        cached = self._routes.cached(spec.route_key, spec.model)
-        if cached is not None:
-            woken: asyncio.Future[None] = self._future()
-
-            def admitted(outcome: Admitted | RollgateError | Unanswered) -> None:
-                assert cached is not None
-                if woken.done():  # its caller gave up waiting (cancelled)
-                    if isinstance(outcome, Admitted):
-                        self._release_later(spec, outcome)
-                    return
-                try:
-                    if isinstance(outcome, Admitted):
-                        state.admitted = outcome
-                        self._start_turn(spec, state, cached, stream=stream, trace=traceparent)
-                        assert state.turn is not None
-                        state.turn.notify(woken)
-                        return
-                    state.begun = outcome
-                except Exception as err:  # a bug: the caller fails the turn, not wait forever
-                    log.error("turn_start_failed", error=type(err).__name__)
-                    state.begun = InternalError(
-                        "the gateway could not start the turn; see its logs", code="turn_start"
-                    )
-                woken.set_result(None)
-
-            if self._ledger.begin_now(
-                route_key=spec.route_key,
-                digest=spec.digest,
-                session_id=spec.tags.session_id,
-                request_id=spec.request_id,
-                timeout_s=spec.remaining_s(),
-                then=admitted,
-            ):
-                await woken
-                begun = state.begun
-                if begun is None:
-                    assert state.turn is not None
-                    return await self._open(
-                        spec, state, cached, stream=stream, trace=traceparent, turn=state.turn
-                    )
-                if not isinstance(begun, Unanswered):
-                    raise begun
-                attempts, tried = BEGIN_ATTEMPTS - 1, begun.replica
-        state.admitted = await self._ledger.begin(
-            route_key=spec.route_key,
-            digest=spec.digest,
-            session_id=spec.tags.session_id,
-            request_id=spec.request_id,
-            timeout_s=spec.remaining_s(),
-            attempts=attempts,
-            tried=tried,
-        )
-        choice = await self._route(spec)
-        return await self._open(spec, state, choice, stream=stream, trace=traceparent)
-
-    def _release_later(self, spec: TurnSpec, admitted: Admitted) -> None:
-        """Releases an admission that came after its caller gave up (from a read callback)."""
-        task = asyncio.create_task(self._release(spec, admitted, None, "Ledger.begin"))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+            if turn is not None:
+                turn.cancel()
+            if admitted is not None and not ended:
+                failed_call = "Ledger.record" if recording else "Worker.Complete"
+                await self._release(spec, admitted, failure, failed_call)
 
     async def _route(self, spec: TurnSpec, avoid_worker_id: str = "") -> WorkerChoice:
         return await self._routes.choose(
@@ -667,6 +525,15 @@ class TurnRelay:
         log.warning("worker_unreachable_rerouting", worker_id=choice.worker_id)
         return await self._route(spec, avoid_worker_id=choice.worker_id)
 
+    async def _begin(self, spec: TurnSpec) -> Admitted:
+        return await self._ledger.begin(
+            route_key=spec.route_key,
+            digest=spec.digest,
+            session_id=spec.tags.session_id,
+            request_id=spec.request_id,
+            timeout_s=spec.remaining_s(),
+        )
+
     def _generate_request(self, spec: TurnSpec, admitted: Admitted) -> worker_pb2.GenerateRequest:
         return worker_pb2.GenerateRequest(
             request_json=spec.request_json,
@@ -677,22 +544,22 @@ class TurnRelay:
         )
 
     async def _open(
-        self,
-        spec: TurnSpec,
-        state: _Turn,
-        choice: WorkerChoice,
-        *,
-        stream: bool,
-        trace: str,
-        turn: WorkerTurn | None = None,
+        self, spec: TurnSpec, admitted: Admitted, choice: WorkerChoice, *, stream: bool
     ) -> tuple[WorkerTurn, list[worker_pb2.TurnEvent], WorkerChoice]:
-        """Waits for the first events of the turn (started on `choice`'s stream unless
-        `turn` is), routed to another worker once when that one cannot be reached, before
-        anything reaches the client."""
+        """Starts the turn on its worker's stream and waits for its first events (routed to
+        another worker once when that one cannot be reached), before anything reaches the
+        client."""
+        request = self._generate_request(spec, admitted)
+        trace = tracing.current()
         rerouted = False
         while True:
-            if turn is None:
-                turn = self._start_turn(spec, state, choice, stream=stream, trace=trace)
+            turn = self._workers.start(
+                choice.address,
+                request,
+                stream=stream,
+                timeout_s=spec.remaining_s(),
+                traceparent=trace.header() if trace is not None else "",
+            )
             try:
                 return turn, await turn.events(), choice
             except RollgateError as error:
@@ -703,86 +570,14 @@ class TurnRelay:
             finally:
                 if not turn.received:
                     turn.cancel()
-            turn = None
 
-    def _start_turn(
-        self, spec: TurnSpec, state: _Turn, choice: WorkerChoice, *, stream: bool, trace: str
-    ) -> WorkerTurn:
-        """Starts the turn on `choice`'s stream (no wait), its record sent as its last event
-        is read (`_hook`)."""
-        admitted = state.admitted
-        assert admitted is not None
-        if stream and state.spans is None:
-            state.spans = _VersionSpans(ledger=self._ledger, admitted=admitted.weight_version)
-        turn = state.turn = self._workers.start(
-            choice.address,
-            self._generate_request(spec, admitted),
-            stream=stream,
-            timeout_s=spec.remaining_s(),
-            traceparent=trace,
-        )
-        turn.on_last = self._hook(spec, state, turn, trace)
-        return turn
-
-    def _hook(self, spec: TurnSpec, state: _Turn, turn: WorkerTurn, trace: str) -> LastHook:
-        """The turn's last event, as it is read: its record goes to the ledger at once, and
-        its caller wakes once that is answered (`_recorded` takes the answer)."""
-
-        def on_last(event: worker_pb2.TurnEvent) -> bool:
-            admitted = state.admitted
-            assert admitted is not None
-            spans: list[tuple[int, int]] | None = None
-            if event.WhichOneof("event") == "completed":
-                record = event.completed.record
-            else:
-                assert state.spans is not None
-                record = event.generated.record
-                spans = state.spans.plus(event.generated.chunks.output_tokens)
-            answered: asyncio.Future[Recorded | RollgateError | Unanswered] = self._future()
-
-            def then(outcome: Recorded | RollgateError | Unanswered) -> None:
-                answered.set_result(outcome)
-                turn.wake()
-
-            if not self._ledger.record_now(
-                route_key=spec.route_key,
-                ticket=admitted.ticket,
-                record=record,
-                request_json=spec.request_json,
-                interaction_id=spec.interaction_id,
-                turn_type=spec.tags.turn_type,
-                session_done=spec.tags.session_done,
-                request_id=spec.request_id,
-                spans=spans,
-                timeout_s=spec.remaining_s(),
-                traceparent=trace,
-                then=then,
-            ):
-                return False
-            state.recording = answered
-            return True
-
-        return on_last
-
-    async def _recorded(
+    async def _record(
         self,
         spec: TurnSpec,
-        state: _Turn,
+        admitted: Admitted,
         record: common_pb2.TurnRecord,
         spans: list[tuple[int, int]] | None,
     ) -> Recorded:
-        """The turn's record: the answer to the one sent as its last event was read, else
-        (not sent, or its stream broke) written now."""
-        admitted = state.admitted
-        assert admitted is not None
-        attempts, tried = RECORD_ATTEMPTS, None
-        if state.recording is not None:
-            outcome = await state.recording
-            if isinstance(outcome, Recorded):
-                return outcome
-            if isinstance(outcome, RollgateError):
-                raise outcome
-            attempts, tried = RECORD_ATTEMPTS - 1, outcome.replica
         return await self._ledger.record(
             route_key=spec.route_key,
             ticket=admitted.ticket,
@@ -794,8 +589,6 @@ class TurnRelay:
             request_id=spec.request_id,
             spans=spans,
             timeout_s=spec.remaining_s(),
-            attempts=attempts,
-            tried=tried,
         )
 
     def _done(

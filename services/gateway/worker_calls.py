@@ -11,11 +11,9 @@ Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's chunk
 what its caller has taken; what the caller takes is credited back once half a window has
 gone, so a slow client stalls only its own turn. A turn's caller may also take its events as
 they are read (`WorkerTurn.sink`, from the stream's read callback: no wake-up of the caller's
-task per event); what the sink leaves goes to `events()`, in order. Its last event goes to
-`WorkerTurn.on_last` as it is read, when every event before it was taken (the relay sends the
-turn's record from there, and holds the caller's wake-up until it is answered). A stream that
-breaks fails its turns (a turn that had no event yet fails as `worker_unavailable`: the relay
-may route it to another worker) and is reopened by the next turn.
+task per event); what the sink leaves goes to `events()`, in order. A stream that breaks fails its
+turns (a turn that had no event yet fails as `worker_unavailable`: the relay may route it
+to another worker) and is reopened by the next turn.
 """
 
 from __future__ import annotations
@@ -52,11 +50,6 @@ UNAVAILABLE_CODE = "worker_unavailable"
 # took it, False to leave it, and every event after it until `events()` took them, to
 # `events()`. Called from the stream's read callback: it must not block.
 EventSink = Callable[[worker_pb2.TurnEvent], bool]
-# Sees a turn's last event (not an error) as it is read, before `events()` gets it, when
-# every event before it was taken (by `events()` or the sink): True when it holds the
-# caller's wake-up back (it calls `WorkerTurn.wake` once what it started is done: the relay
-# sends the turn's record from here). Called from the read callback.
-LastHook = Callable[[worker_pb2.TurnEvent], bool]
 
 
 def _unreachable() -> RollgateError:
@@ -91,7 +84,6 @@ class WorkerTurn:
         "_waiter",
         "ended",
         "id",
-        "on_last",
         "received",
         "sink",
     )
@@ -113,7 +105,6 @@ class WorkerTurn:
         self._timer = stream.loop.call_later(timeout_s, self._expire)
         # Set by the caller once it takes events as they come (EventSink).
         self.sink: EventSink | None = None
-        self.on_last: LastHook | None = None
 
     async def events(self) -> list[worker_pb2.TurnEvent]:
         """Every event that came since the last call (waits for the first); raises the turn's
@@ -156,28 +147,18 @@ class WorkerTurn:
             self.ended = True
             self._stream.cancel(self.id)
 
-    def notify(self, waiter: asyncio.Future[None]) -> None:
-        """`waiter` is done when the first event comes or the turn fails (a caller waiting
-        for it before the turn was started: `events()` then returns at once)."""
-        self._waiter = waiter
-
     def deliver(self, event: worker_pb2.TurnEvent, *, last: bool) -> None:
         """An event of this turn came (`last`: the turn's last one)."""
-        held = False
         if event.WhichOneof("event") != "error_json":
             self.received = True
-            if not last:
-                # Events the sink left wait in the inbox: those after them wait too (order).
-                if self.sink is not None and not self._inbox and self._sunk(event):
-                    return
-            elif self.on_last is not None and not self._inbox:
-                held = self._hand_last(event)
+            # Events the sink left wait in the inbox: those after them wait too (order).
+            if not last and self.sink is not None and not self._inbox and self._sunk(event):
+                return
         if last:
             self.ended = True
             self._timer.cancel()
         self._inbox.append(event)
-        if not held:
-            self.wake()
+        self._wake()
 
     def _sunk(self, event: worker_pb2.TurnEvent) -> bool:
         """Whether the sink took `event` (then it counts as taken, and is credited back)."""
@@ -194,31 +175,20 @@ class WorkerTurn:
             self._credit()
         return taken
 
-    def _hand_last(self, event: worker_pb2.TurnEvent) -> bool:
-        hook, self.on_last = self.on_last, None
-        assert hook is not None
-        try:
-            return hook(event)
-        except Exception as err:
-            # A bug of the hook's: the caller gets the event as if there were none.
-            log.error("turn_last_hook_failed", turn_id=self.id, error=type(err).__name__)
-            return False
-
     def fail(self, error: RollgateError) -> None:
         """The turn cannot go on (its stream broke, its deadline passed)."""
         if self._error is None:
             self._error = error
         self.ended = True
         self._timer.cancel()
-        self.wake()
+        self._wake()
 
     def _expire(self) -> None:
         if not self.ended:
             self.fail(UpstreamTimeout("the worker did not answer in time", code="worker_timeout"))
             self._stream.cancel(self.id)
 
-    def wake(self) -> None:
-        """Wakes the caller waiting in `events()` (or `notify`'s waiter)."""
+    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,10 +12,10 @@ import orjson
 import pytest
 
 from protos import dataproxy_pb2, dataproxy_pb2_grpc, trainer_pb2
-from services.gateway.ledger import Admitted, LedgerClient, Recorded, Replica, Unanswered
+from services.gateway.ledger import Admitted, LedgerClient, Replica
 from services.gateway.relay import Chunks, Done
 from services.runtime import grpc_server
-from services.runtime.errors import InvalidRequest, RollgateError, Unavailable
+from services.runtime.errors import InvalidRequest, RollgateError, Unavailable, UpstreamTimeout
 from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest
 from tests.dataproxy.turn_records import turn_record
@@ -188,6 +187,42 @@ async def test_ops_asked_together_travel_in_one_message(chain: Chain) -> None:
         await gateway.close()
 
 
+@pytest.mark.parametrize("gives_up", ["cancelled", "deadline"])
+async def test_an_admission_that_comes_after_its_caller_gave_up_is_released_at_once(
+    chain: Chain, gives_up: str
+) -> None:
+    digest = await chain.start()
+    counting = CountingStub(chain.dataproxy)
+    gateway = LedgerClient(counting)  # type: ignore[arg-type]
+    try:
+        await chain.record(gateway, digest, (await chain.begin(gateway, digest)).ticket)
+        # The next begin is held on its way out; its caller gives up meanwhile.
+        counting.gate.clear()
+        if gives_up == "cancelled":
+            waiting = asyncio.create_task(chain.begin(gateway, digest))
+            await eventually(lambda: ops_of(counting), want=["begin", "record", "begin"])
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        else:
+            with pytest.raises(UpstreamTimeout):
+                await gateway.begin(
+                    route_key=digest, digest=digest, session_id="", request_id="r", timeout_s=0.2
+                )
+        counting.gate.set()
+
+        # Admitted after all, and released at once: no lease held until it expires.
+        await eventually(lambda: ops_of(counting), want=["begin", "record", "begin", "release"])
+        await eventually(chain.in_flight, want=0, what="the late admission released")
+        # The session takes its next turn as usual.
+        admitted = await chain.begin(gateway, digest)
+        assert await chain.record(gateway, digest, admitted.ticket) == "chatcmpl-ledger"
+        assert await chain.in_flight() == 0
+    finally:
+        counting.gate.set()
+        await gateway.close()
+
+
 async def test_each_op_of_a_message_gets_its_own_answer(chain: Chain) -> None:
     digest = await chain.start()
     call: Any = chain.dataproxy.Ledger()
@@ -282,73 +317,6 @@ async def test_an_op_past_its_deadline_answers_that_it_timed_out(
         assert await chain.in_flight() == 0
 
 
-def at_once(send: Callable[..., bool]) -> asyncio.Future[Any]:
-    """What an op sent at once (`send(then=...)`) gets in its callback (a failed test when it
-    is not sent)."""
-    outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    assert send(then=outcome.set_result), "not sent: the stream should be open"
-    return outcome
-
-
-async def test_a_turn_begun_and_recorded_at_once_gets_its_answers_in_callbacks(
-    chain: Chain,
-) -> None:
-    digest = await chain.start()
-    gateway = fresh_ledger(chain)
-    try:
-        begin = functools.partial(
-            gateway.begin_now, route_key=digest, digest=digest, session_id="", request_id="r"
-        )
-        # No stream is open yet: the op is not sent, and nothing is admitted.
-        assert not begin(timeout_s=5, then=lambda outcome: None)
-        assert await chain.in_flight() == 0
-        await chain.record(gateway, digest, (await chain.begin(gateway, digest)).ticket)
-
-        admitted = await at_once(functools.partial(begin, timeout_s=5))
-        assert isinstance(admitted, Admitted)
-        assert await chain.in_flight() == 1
-        recorded = await at_once(
-            functools.partial(
-                gateway.record_now,
-                route_key=digest,
-                ticket=admitted.ticket,
-                record=turn_record(interaction_id="chatcmpl-at-once", output_token_ids=[7]),
-                request_json=REQUEST,
-                interaction_id="",
-                turn_type="main",
-                session_done=False,
-                request_id="r",
-                spans=[(1, 0)],
-                timeout_s=5,
-                traceparent="",
-            )
-        )
-        assert isinstance(recorded, Recorded)
-        assert recorded.interaction_id == "chatcmpl-at-once"
-        assert [t["interaction_id"] for t in await chain.turns(digest)] == [
-            "chatcmpl-ledger",
-            "chatcmpl-at-once",
-        ]
-        assert await chain.in_flight() == 0
-
-        # The dataproxy's refusal comes to the callback as the error it raised.
-        unknown = key_digest("sk-sess-" + "q" * 43)
-        refused = await at_once(
-            functools.partial(
-                gateway.begin_now,
-                route_key=unknown,
-                digest=unknown,
-                session_id="",
-                request_id="r",
-                timeout_s=5,
-            )
-        )
-        assert isinstance(refused, RollgateError)
-        assert refused.http_status == 401
-    finally:
-        await gateway.close()
-
-
 @pytest.fixture
 async def two_replicas(redis_url: str, key_prefix: str) -> AsyncIterator[Chain]:
     async with running_dataproxy_chain(
@@ -396,57 +364,6 @@ async def test_a_begin_a_stopping_replica_refused_is_admitted_by_the_other(
         assert ops_of(stubs[other]) == ["begin", "begin", "record", "record"]
         assert await chain.in_flight() == 0
         assert len(await chain.turns(digest)) == 1  # the same interaction id, appended once
-    finally:
-        await gateway.close()
-        for channel in channels:
-            await channel.close()
-
-
-async def test_a_begin_sent_at_once_that_a_stopping_replica_refused_goes_on_elsewhere(
-    two_replicas: Chain,
-) -> None:
-    chain = two_replicas
-    channels = [open_channel(f"127.0.0.1:{s.port}") for s in chain.dataproxy_servers]
-    stubs = [CountingStub(dataproxy_pb2_grpc.DataProxyStub(c)) for c in channels]
-    gateway = LedgerClient(*(Replica(stub) for stub in stubs))  # type: ignore[arg-type]
-    try:
-        digest = await chain.start()
-        held = await chain.begin(gateway, digest)  # opens the home stream, holds its drain
-        [home] = [i for i, stub in enumerate(stubs) if ops_of(stub) == ["begin"]]
-        stopping = asyncio.create_task(chain.dataproxy_servers[home].stop())
-        await eventually(lambda: chain.dataproxy_servers[home].draining)
-
-        refused = await at_once(
-            functools.partial(
-                gateway.begin_now,
-                route_key=digest,
-                digest=digest,
-                session_id="",
-                request_id="r",
-                timeout_s=5,
-            )
-        )
-        # Not an error for the client: unanswered, with the replica that refused it ...
-        assert isinstance(refused, Unanswered)
-        assert refused.replica == home
-        # ... and `begin` takes it on, on the other one.
-        moved = await gateway.begin(
-            route_key=digest,
-            digest=digest,
-            session_id="",
-            request_id="r",
-            timeout_s=5,
-            attempts=1,
-            tried=refused.replica,
-        )
-        assert ops_of(stubs[home]) == ["begin", "begin"]
-        assert ops_of(stubs[1 - home]) == ["begin"]
-
-        await chain.record(gateway, digest, held.ticket)
-        async with asyncio.timeout(10):
-            await stopping
-        await chain.record(gateway, digest, moved.ticket)
-        assert await chain.in_flight() == 0
     finally:
         await gateway.close()
         for channel in channels:

@@ -4,7 +4,6 @@ fails at its deadline, and one given up before it was written is never sent."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +11,7 @@ import grpc
 import pytest
 
 from protos import dataproxy_pb2, dataproxy_pb2_grpc
-from services.gateway.ledger import LedgerClient, Unanswered
+from services.gateway.ledger import LedgerClient
 from services.runtime.errors import UpstreamTimeout
 from services.runtime.grpc_client import open_channel
 from services.runtime.keys import key_digest, new_session_key
@@ -112,59 +111,3 @@ async def test_an_op_that_timed_out_before_it_was_written_is_never_sent(
         release.cancel()
         await asyncio.gather(first, release, return_exceptions=True)
         await ledger.close()
-
-
-def _begin_now(ledger: LedgerClient, timeout_s: float, outcomes: list[Any]) -> bool:
-    return ledger.begin_now(
-        route_key=DIGEST,
-        digest=DIGEST,
-        session_id="",
-        request_id="r",
-        timeout_s=timeout_s,
-        then=outcomes.append,
-    )
-
-
-async def test_an_op_sent_at_once_needs_an_open_stream_and_times_out_in_its_callback(
-    silent: tuple[_SilentDataproxy, Any],
-) -> None:
-    servicer, stub = silent
-    ledger = LedgerClient(stub)
-    outcomes: list[Any] = []
-    try:
-        # No stream open yet: nothing is sent, the caller takes the coroutine's way.
-        assert not _begin_now(ledger, 30, outcomes)
-        with pytest.raises(UpstreamTimeout):
-            await _begin(ledger, timeout_s=0.1)  # opens the stream
-
-        assert _begin_now(ledger, 0.2, outcomes)
-        await eventually(lambda: len(outcomes), want=1, what="the callback called")
-
-        [timed_out] = outcomes
-        assert isinstance(timed_out, UpstreamTimeout)
-        assert timed_out.code == "dataproxy_timeout"
-        assert [op.WhichOneof("op") for op in servicer.ops] == ["begin", "begin"]
-    finally:
-        await ledger.close()
-
-
-async def test_an_op_sent_at_once_whose_stream_breaks_is_unanswered() -> None:
-    servicer = _SilentDataproxy()
-    server = scripted_dataproxy(servicer)
-    outcomes: list[Any] = []
-    async with contextlib.AsyncExitStack() as stack:
-        async with server:
-            channel = open_channel(f"127.0.0.1:{server.port}")
-            stack.push_async_callback(channel.close)
-            ledger = LedgerClient(dataproxy_pb2_grpc.DataProxyStub(channel))
-            stack.push_async_callback(ledger.close)
-            with pytest.raises(UpstreamTimeout):
-                await _begin(ledger, timeout_s=0.1)
-            assert _begin_now(ledger, 30, outcomes)
-            await eventually(lambda: len(servicer.ops), want=2, what="the begin read")
-        # The dataproxy is gone: the op is not answered, and says which replica failed it
-        # (`begin(tried=...)` goes on elsewhere).
-        await eventually(lambda: len(outcomes), want=1, what="the callback called")
-        [lost] = outcomes
-        assert isinstance(lost, Unanswered)
-        assert lost.replica == 0

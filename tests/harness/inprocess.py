@@ -219,10 +219,6 @@ class FixedWorker:
     def __init__(self, address: str) -> None:
         self.address = address
 
-    def cached(self, route_key: str, model: str) -> WorkerChoice | None:
-        """The chain's worker (known without asking)."""
-        return WorkerChoice(worker_id="worker-under-test", address=self.address)
-
     async def choose(
         self, route_key: str, model: str, *, timeout_s: float, avoid_worker_id: str = ""
     ) -> WorkerChoice:
