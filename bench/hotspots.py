@@ -12,6 +12,10 @@ the most self time; the raw samples go to bench/results/profile-<cell>-<process>
 (the interpreter, the kernel, uvloop, upb, orjson...), the native symbols with the most self
 time, and the kernel's functions with what they call included (the write path, say);
 `--strace` counts each service's system calls per request (`strace -c`; every worker).
+`--against DIR [--pairs N]` profiles nothing: it measures this checkout (`--rollgate-root`)
+and DIR in turn, N pairs, and prints each service's CPU per request as a multiple of the
+mock's in the same run (the VM's speed moves both alike), per pair and as mean (min-max) per
+side with the change: a before/after that a VM's drift between two runs does not decide.
 
 Usage: `.venv/bin/python bench/hotspots.py --cell unary-16 [--seconds 20] [--rate 250]`
 (needs `pip install py-spy`; py-spy reads other processes' memory: root, or ptrace allowed).
@@ -188,6 +192,84 @@ def _show_cprofile(stats: Path, top: int) -> None:
         pstats.Stats(str(stats)).strip_dirs().sort_stats(order).print_stats(top)
 
 
+def _cpu_per_request(
+    cell: run.Cell, root: str, args: argparse.Namespace, tmp: Path
+) -> tuple[int, int, dict[str, float]]:
+    """One measurement of `root`'s stack under the cell's load: requests, errors and each
+    process's CPU ms per request."""
+    run_args = argparse.Namespace(rollgate_root=root, workers=args.workers, env=args.env)
+    with run.environment(cell, run_args, tmp) as env:
+        asyncio.run(_load(env, cell, args.warmup_s))
+        before = env.processes.cpu_split()
+        requests, errors = asyncio.run(_load(env, cell, args.seconds))
+        after = env.processes.cpu_split()
+    per = {
+        name: 1000
+        * sum(a - b for a, b in zip(after[name], before[name], strict=True))
+        / max(requests, 1)
+        for name in after
+        if name in before
+    }
+    return requests, errors, per
+
+
+def mock_multiples(per: dict[str, float]) -> dict[str, float]:
+    """Each service kind's CPU per request (its replicas summed) and the services' together,
+    as multiples of the mock's in the same run."""
+    kinds: dict[str, float] = {}
+    for name, ms in per.items():
+        kind = run.kind_of(name)
+        if kind in run.SERVICE_KINDS:
+            kinds[kind] = kinds.get(kind, 0.0) + ms
+    mock = per["mock"]
+    out = {kind: ms / mock for kind, ms in sorted(kinds.items())}
+    out["services"] = sum(kinds.values()) / mock
+    return out
+
+
+def ab_report(
+    sides: tuple[str, str], pairs: list[tuple[dict[str, float], dict[str, float]]]
+) -> str:
+    """Per pair and as mean (min-max) per side: each kind's CPU as a multiple of the mock's
+    (`mock_multiples`), and the first side's change against the second's."""
+    first, second = ([mock_multiples(p[i]) for p in pairs] for i in (0, 1))
+    width = max(len(sides[0]), len(sides[1]), 8)
+    lines = [f"CPU per request as a multiple of the mock's, {len(pairs)} alternating pairs:"]
+    for kind in first[0]:
+        lines.append(f"  {kind}")
+        for side, runs in zip(sides, (first, second), strict=True):
+            values = [r[kind] for r in runs]
+            mean = sum(values) / len(values)
+            each = " ".join(f"{v:.3f}" for v in values)
+            lines.append(
+                f"    {side:{width}s} {mean:.3f} ({min(values):.3f}-{max(values):.3f})  [{each}]"
+            )
+        a = sum(r[kind] for r in first) / len(first)
+        b = sum(r[kind] for r in second) / len(second)
+        lines.append(f"    {'change':{width}s} {100 * (a - b) / b:+.1f} %")
+    return "\n".join(lines)
+
+
+def _against(cell: run.Cell, args: argparse.Namespace) -> int:
+    roots = (args.rollgate_root, args.against)
+    pairs: list[tuple[dict[str, float], dict[str, float]]] = []
+    for number in range(args.pairs):
+        measured = []
+        for root in roots:
+            with tempfile.TemporaryDirectory(prefix="rollgate-ab-") as tmp:
+                requests, errors, per = _cpu_per_request(cell, root, args, Path(tmp))
+            print(
+                f"pair {number + 1}, {root}: {requests} requests, {errors} errors; services / "
+                f"mock {mock_multiples(per)['services']:.3f}",
+                flush=True,
+            )
+            measured.append(per)
+        pairs.append((measured[0], measured[1]))
+    print(f"\n{cell.title}")
+    print(ab_report(roots, pairs))
+    return 0
+
+
 def _idle_report(
     at_start: dict[str, dict[str, float]], at_end: dict[str, dict[str, float]], seconds: float
 ) -> str:
@@ -234,8 +316,18 @@ def main(argv: list[str] | None = None) -> int:
         help="run this service under cProfile (CPU clock) instead of sampling it with py-spy",
     )
     parser.add_argument("--rollgate-root", default=str(run.REPO))
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="no profiling: measure --rollgate-root and DIR in turn, --pairs times, and compare "
+        "each service's CPU as a multiple of the mock's",
+    )
+    parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--env", action="append", default=[], type=run._assignment)
     args = parser.parse_args(argv)
+    if args.against:
+        uvloop.install()
+        return _against(next(c for c in run.CELLS if c.name == args.cell), args)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not args.idle and not Path(spy).exists():
         print("py-spy is missing: pip install py-spy", file=sys.stderr)

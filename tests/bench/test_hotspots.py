@@ -181,3 +181,30 @@ def test_cprofile_run_profiles_the_checkout_it_runs_in(tmp_path: Path) -> None:
 
     assert Path(done.stdout.strip()) == package / "probe.py"
     assert stats.exists()
+
+
+def test_an_ab_comparison_reads_each_service_against_the_mock_of_its_own_run() -> None:
+    hotspots = _load("hotspots")
+    # Two runs of one side: the VM twice as slow in the second, the services' share the same.
+    fast = {"gateway": 0.4, "dataproxy": 0.2, "worker-1": 0.1, "worker-2": 0.1, "mock": 0.4}
+    slow = {name: 2 * ms for name, ms in fast.items()}
+    slow["redis"] = 0.3  # neither a service nor the mock: left out
+    assert hotspots.mock_multiples(fast) == hotspots.mock_multiples({**slow, "redis": 0.0}) == {
+        "dataproxy": 0.5,
+        "gateway": 1.0,
+        "worker": 0.5,
+        "services": 2.0,
+    }
+    # The other side spends 10 % more in the gateway, in both of its runs.
+    more = {**fast, "gateway": 0.44}
+
+    text = hotspots.ab_report(("after", "before"), [(more, fast), (more, slow)])
+
+    lines = text.splitlines()
+    assert lines[0] == "CPU per request as a multiple of the mock's, 2 alternating pairs:"
+    gateway = lines[lines.index("  gateway") + 1 : lines.index("  gateway") + 4]
+    assert gateway[0].split()[:3] == ["after", "1.100", "(1.100-1.100)"]
+    assert gateway[1].split()[:3] == ["before", "1.000", "(1.000-1.000)"]
+    assert gateway[2].split() == ["change", "+10.0", "%"]
+    services = lines[lines.index("  services") + 3]
+    assert services.split() == ["change", "+5.0", "%"]
