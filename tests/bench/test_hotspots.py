@@ -189,12 +189,16 @@ def test_an_ab_comparison_reads_each_service_against_the_mock_of_its_own_run() -
     fast = {"gateway": 0.4, "dataproxy": 0.2, "worker-1": 0.1, "worker-2": 0.1, "mock": 0.4}
     slow = {name: 2 * ms for name, ms in fast.items()}
     slow["redis"] = 0.3  # neither a service nor the mock: left out
-    assert hotspots.mock_multiples(fast) == hotspots.mock_multiples({**slow, "redis": 0.0}) == {
-        "dataproxy": 0.5,
-        "gateway": 1.0,
-        "worker": 0.5,
-        "services": 2.0,
-    }
+    assert (
+        hotspots.mock_multiples(fast)
+        == hotspots.mock_multiples({**slow, "redis": 0.0})
+        == {
+            "dataproxy": 0.5,
+            "gateway": 1.0,
+            "worker": 0.5,
+            "services": 2.0,
+        }
+    )
     # The other side spends 10 % more in the gateway, in both of its runs.
     more = {**fast, "gateway": 0.44}
 
