@@ -203,14 +203,22 @@ def _cpu_per_request(
         before = env.processes.cpu_split()
         requests, errors = asyncio.run(_load(env, cell, args.seconds))
         after = env.processes.cpu_split()
-    per = {
-        name: 1000
-        * sum(a - b for a, b in zip(after[name], before[name], strict=True))
-        / max(requests, 1)
-        for name in after
-        if name in before
-    }
+    per = {name: sum(split) for name, split in cpu_ms_per_request(before, after, requests).items()}
     return requests, errors, per
+
+
+def cpu_ms_per_request(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], requests: int
+) -> dict[str, tuple[float, float]]:
+    """Each process's CPU ms per request, (user, system), between two `cpu_split` readings."""
+    out: dict[str, tuple[float, float]] = {}
+    for name in after.keys() & before.keys():
+        user, system = (
+            1000 * (a - b) / max(requests, 1)
+            for a, b in zip(after[name], before[name], strict=True)
+        )
+        out[name] = (user, system)
+    return out
 
 
 def mock_multiples(per: dict[str, float]) -> dict[str, float]:
@@ -402,11 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cell.title}: {requests} requests, {errors} errors in {args.seconds:.0f} s")
     print("CPU ms per request (user + system); context switches per request (waited, preempted):")
     total = 0.0
-    for name in sorted(after):
-        user, system = (
-            1000 * (a - b) / max(requests, 1)
-            for a, b in zip(after[name], before[name], strict=True)
-        )
+    cpu = cpu_ms_per_request(before, after, requests)
+    for name in sorted(cpu):
+        user, system = cpu[name]
         if run.kind_of(name) in run.SERVICE_KINDS:
             total += user + system
         waited, taken = (

@@ -59,8 +59,9 @@ READY = grpc.ChannelConnectivity.READY
 # The dataproxy's answer to a begin while it shuts down (services/dataproxy/ledger_streams.py):
 # the turn was not started, so another replica may take it.
 STOPPING_CODE = "dataproxy_stopping"
-# The release of an admission whose caller is gone is one small op, answered at once.
-ABANDONED_RELEASE_TIMEOUT_S = 5.0
+# Releasing the lease of a turn that ends without a record (or of an admission whose caller
+# is gone) is one small op, answered at once.
+RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +209,7 @@ class _Stream(BatchedCall[dataproxy_pb2.LedgerRequest]):
         log.info("ledger_abandoned_admission_released")
         request = dataproxy_pb2.LedgerRequest(
             id=self._ledger.next_id(),
-            timeout_s=ABANDONED_RELEASE_TIMEOUT_S,
+            timeout_s=RELEASE_TIMEOUT_S,
             release=dataproxy_pb2.ReleaseTurn(ticket=ticket),
         )
         self._queue(request)

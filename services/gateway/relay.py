@@ -29,7 +29,7 @@ import orjson
 from protos import common_pb2, worker_pb2
 from services.gateway.header_mode import TurnTags
 from services.gateway.json_body import dump_json
-from services.gateway.ledger import Admitted, LedgerClient, Recorded
+from services.gateway.ledger import RELEASE_TIMEOUT_S, Admitted, LedgerClient, Recorded
 from services.gateway.routing import RouteCache, WorkerChoice, choose_worker
 from services.gateway.turn_metrics import TurnClock, TurnMetrics
 from services.gateway.worker_calls import (
@@ -57,8 +57,6 @@ log = get_logger(__name__)
 # turn goes to another worker, once.
 WORKER_UNAVAILABLE_CODE = UNAVAILABLE_CODE
 _REROUTED = frozenset({UNAVAILABLE_CODE, STOPPING_CODE})
-# Releasing the lease of a turn that ends without a record is one small ledger op.
-RELEASE_TIMEOUT_S = 5.0
 # A record that failed with these never reached the dataproxy (which releases the lease of a
 # record it refused): the relay releases it.
 _UNANSWERED = frozenset({"dataproxy_unavailable", "dataproxy_timeout", "gateway_timeout"})

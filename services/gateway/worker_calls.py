@@ -11,9 +11,9 @@ Per-turn flow control: the worker sends at most `WINDOW_BYTES` of a turn's chunk
 what its caller has taken; what the caller takes is credited back once half a window has
 gone, so a slow client stalls only its own turn. A turn's caller may also take its events as
 they are read (`WorkerTurn.sink`, from the stream's read callback: no wake-up of the caller's
-task per event); what the sink leaves goes to `events()`, in order. A stream that breaks fails its
-turns (a turn that had no event yet fails as `worker_unavailable`: the relay may route it
-to another worker) and is reopened by the next turn.
+task per event); what the sink leaves goes to `events()`, in order. A stream that breaks
+fails its turns (a turn that had no event yet fails as `worker_unavailable`: the relay may
+route it to another worker) and is reopened by the next turn.
 """
 
 from __future__ import annotations
