@@ -57,8 +57,10 @@ class OpenAICompatAdapter:
         return PassThrough()
 
     def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
-        """Absorbs one streamed chunk."""
-        acc.add_chunk(chunk)
+        """Absorbs one streamed chunk, and the ids it carries when the kind reads them (vLLM's
+        prompt ids come on the first chunk). Not overridden by a kind: the worker then reads
+        the common chunk in one pass with the client's view (`TurnAccumulator.take_common`)."""
+        acc.add_chunk(chunk, token_ids=self.reads_token_ids)
 
     def read_completion(self, body: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one non-streaming completion."""

@@ -48,10 +48,6 @@ class SglangChatAdapter(OpenAICompatAdapter):
     kind: ClassVar[str] = "sglang"
     reads_token_ids: ClassVar[bool] = True
 
-    def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
-        """Absorbs one streamed chunk and any token ids it carries."""
-        acc.add_chunk(chunk, token_ids=True)
-
     def read_completion(self, body: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one completion and any token ids it carries."""
         acc.add_completion(body)

@@ -240,6 +240,65 @@ class TurnAccumulator:
         if isinstance(finish_reason, str):
             self.finish_reason = finish_reason
 
+    def take_common(self, chunk: dict[str, Any], ask: ClientAsk, *, token_ids: bool) -> bool:
+        """`add_chunk` and `client_chunk` in one pass, for the chunk nearly every streamed
+        token is: one choice (index 0) whose delta holds no reasoning and no tool calls, after
+        the first chunk (its id, model and prompt ids read). Absorbs it and strips it for the
+        client in place, as those two would; False, having changed nothing, for any other chunk
+        (read it the general way). Per chunk this is most of the worker's Python: the general
+        way looks the choice up four times and walks it in five calls."""
+        if not self.model or not self.interaction_id:
+            return False
+        if token_ids and self.prompt_token_ids is None:
+            return False
+        choices = chunk.get("choices")
+        if type(choices) is not list or len(choices) != 1:
+            return False
+        choice = choices[0]
+        if type(choice) is not dict or choice.get("index", 0) != 0:
+            return False
+        delta = choice.get("delta")
+        if type(delta) is dict:
+            if "reasoning_content" in delta or "reasoning" in delta or "tool_calls" in delta:
+                return False
+            content = delta.get("content")
+            if type(content) is str and content:
+                self.content.append(content)
+                self.output_seen = True
+        elif delta is not None:
+            return False
+        usage = chunk.get("usage")
+        if type(usage) is dict:
+            self.usage = usage
+        if token_ids:
+            output = choice.get("token_ids")
+            if type(output) is list:
+                if self.output_token_ids is None:
+                    self.output_token_ids = []
+                if output:
+                    self.output_token_ids.extend(output)
+                    self.output_seen = True
+        logprobs = choice.get("logprobs")
+        if logprobs is not None:
+            entries = logprobs.get("content") if type(logprobs) is dict else None
+            if type(entries) is list:
+                for entry in entries:
+                    if type(entry) is dict and "logprob" in entry:
+                        self.logprobs.append(float(entry["logprob"]))
+                        self._sampled.append(entry)
+                        self.output_seen = True
+            if not ask.logprobs:
+                choice["logprobs"] = None
+        finish_reason = choice.get("finish_reason")
+        if type(finish_reason) is str:
+            self.finish_reason = finish_reason
+        if not ask.token_ids:
+            chunk.pop("prompt_token_ids", None)
+            chunk.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+            choice.pop("token_ids", None)
+        return True
+
     def _add_delta_rest(self, delta: dict[str, Any]) -> None:
         """A delta's reasoning and tool-call fragments (its content is taken already)."""
         reasoning = delta.get("reasoning_content")

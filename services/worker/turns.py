@@ -18,7 +18,7 @@ from services.runtime.errors import UpstreamError
 from services.runtime.logs import get_logger
 from services.worker.adapters import UpstreamAdapter
 from services.worker.http1 import Http1Response, HttpError
-from services.worker.openai_compat import PassThrough, Translator
+from services.worker.openai_compat import OpenAICompatAdapter, PassThrough, Translator
 from services.worker.prompt_ids import PromptIdsCache, read_with_prompt_ids
 from services.worker.turn import (
     AnswerDelta,
@@ -214,10 +214,12 @@ class _StreamedAnswer:
 
     __slots__ = (
         "_clock",
+        "_common",
         "_deltas_only",
         "_group",
         "_prompt_ids",
         "_runner",
+        "_token_ids",
         "_translator",
         "aborted",
         "deadline",
@@ -240,7 +242,11 @@ class _StreamedAnswer:
         # The request's deadline (loop time): the upstream's answer is whole by then.
         self.deadline = deadline
         self._deltas_only = deltas_only
-        self._group = _Group(runner.adapter)
+        adapter = runner.adapter
+        self._group = _Group(adapter)
+        # The kind reads chunks the standard way: the common chunk is read in one pass.
+        self._common = type(adapter).read_chunk is OpenAICompatAdapter.read_chunk
+        self._token_ids = adapter.reads_token_ids
         self._clock = _Clock()
         # Until the first payload is read: the cache its prompt ids are read through.
         self._prompt_ids = runner.prompt_ids_for(request, translator)
@@ -255,6 +261,9 @@ class _StreamedAnswer:
         sampled_before = group.sampled_tokens()
         mark = group.main.mark() if self._deltas_only else None
         ask = self.request.ask
+        main = group.main
+        common = self._common
+        token_ids = self._token_ids
         for payload in payloads:
             if payload == DONE:
                 self.done = True
@@ -264,6 +273,12 @@ class _StreamedAnswer:
             else:
                 parsed = _parse_chunk(payload)
             for chunk in self._translator.events(parsed):
+                if common and main.take_common(chunk, ask, token_ids=token_ids):
+                    if main.output_seen:
+                        self._clock.mark_first_token()
+                    if mark is None:
+                        batch.append(orjson.dumps(chunk))
+                    continue
                 group.read_chunk(chunk)
                 if group.main.output_seen:
                     self._clock.mark_first_token()

@@ -18,10 +18,6 @@ class VllmAdapter(OpenAICompatAdapter):
         """Asks vLLM for the prompt ids and the sampled ids."""
         body["return_token_ids"] = True
 
-    def read_chunk(self, chunk: dict[str, Any], acc: TurnAccumulator) -> None:
-        """Absorbs one streamed chunk and its ids (prompt ids come on the first chunk)."""
-        acc.add_chunk(chunk, token_ids=True)
-
     def read_completion(self, body: dict[str, Any], acc: TurnAccumulator) -> None:
         """Absorbs one completion and its ids."""
         acc.add_completion(body)

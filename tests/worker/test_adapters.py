@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -495,3 +496,90 @@ def test_base_url_gets_v1_once(raw: str, expected: str) -> None:
 def test_bad_base_urls_are_refused(raw: str) -> None:
     with pytest.raises(ValueError):
         normalize_base_url(raw)
+
+
+def _wire_chunks(name: str) -> list[dict[str, Any]]:
+    path = Path(__file__).resolve().parent / "vllm_wire" / name
+    lines = path.read_bytes().splitlines()
+    return [orjson.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+
+
+# Chunks the one-pass reading must leave to the general one (or read the same way).
+ODD_STREAM = [
+    chunk({"role": "assistant", "content": ""}, prompt_token_ids=[7, 8]),
+    chunk({"content": "a"}, logprobs=[lp("a", -0.1)], choice={"token_ids": [20]}),
+    chunk({"content": "b", "tool_calls": None}, logprobs=[lp("b", -0.2)]),
+    {**HEAD, "choices": [{"index": 0, "delta": None, "logprobs": None, "finish_reason": None}]},
+    {**HEAD, "choices": [{"index": 0, "delta": "text", "logprobs": None, "finish_reason": None}]},
+    {**HEAD, "choices": [{"index": 0, "logprobs": {"content": "x"}, "finish_reason": None}]},
+    {**HEAD, "choices": [{"index": 1, "delta": {"content": "other"}, "finish_reason": None}]},
+    {
+        **HEAD,
+        "choices": [
+            {"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": None},
+            {"index": 1, "delta": {"content": "d"}, "logprobs": None, "finish_reason": None},
+        ],
+    },
+    {**HEAD, "choices": ["not a choice"]},
+    chunk({"content": "e"}, logprobs=[lp("e", -0.3), {"token": "no logprob"}], token_ids=[9]),
+    chunk({}, finish="length", choice={"token_ids": [21, 22]}),
+    {**HEAD, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
+]
+
+STREAMS = {
+    "vllm": VLLM_STREAM,
+    "tools": OPENAI_TOOL_STREAM,
+    "reasoning": REASONING_STREAM,
+    "odd": ODD_STREAM,
+    "vllm_wire_usage": _wire_chunks("vllm_chat_stream_usage.response.txt"),
+    "vllm_wire_eos": _wire_chunks("vllm_chat_eos_stream.response.txt"),
+}
+ASKS = [
+    ClientAsk(logprobs=False, token_ids=False, usage=False),
+    ClientAsk(logprobs=True, token_ids=True, usage=True),
+    ClientAsk(logprobs=True, token_ids=False, usage=False, only_choice_zero=True),
+    ClientAsk(logprobs=False, token_ids=True, usage=True, only_choice_zero=True),
+]
+
+
+def _read(kind: str, stream: list[dict[str, Any]], ask: ClientAsk, *, one_pass: bool) -> Any:
+    adapter = adapter_for(kind)
+    acc = TurnAccumulator()
+    views: list[bytes | None] = []
+    taken = 0
+    for c in stream:
+        c = orjson.loads(orjson.dumps(c))
+        if one_pass and acc.take_common(c, ask, token_ids=adapter.reads_token_ids):
+            taken += 1
+            views.append(orjson.dumps(c))
+            continue
+        adapter.read_chunk(c, acc)
+        view = client_chunk(c, ask)
+        views.append(None if view is None else orjson.dumps(view))
+    return acc.result(kind=adapter.kind, timing=TIMING), acc.sampled_text(), views, taken
+
+
+@pytest.mark.parametrize("kind", ["openai", "vllm", "sglang"])
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+@pytest.mark.parametrize("ask", range(len(ASKS)))
+def test_the_one_pass_reading_of_a_common_chunk_records_and_shows_what_the_general_one_does(
+    kind: str, stream: str, ask: int
+) -> None:
+    chunks, client = STREAMS[stream], ASKS[ask]
+    general = _read(kind, chunks, client, one_pass=False)
+    one_pass = _read(kind, chunks, client, one_pass=True)
+    # The same record, the same sampled text, the same bytes for the client, chunk by chunk.
+    assert one_pass[:3] == general[:3]
+    # And the one pass did read the token chunks of the plain streams (not only fall back).
+    if stream.startswith("vllm"):
+        assert one_pass[3] >= len(chunks) - 3
+    assert general[3] == 0
+
+
+def test_the_worker_reads_chunks_in_one_pass_for_every_chat_kind() -> None:
+    # A kind that read chunks its own way would fall back to the general reading for every
+    # chunk: the one-pass reading is taken only where the standard `read_chunk` is.
+    from services.worker.openai_compat import OpenAICompatAdapter
+
+    for kind in ("openai", "vllm", "sglang"):
+        assert type(adapter_for(kind)).read_chunk is OpenAICompatAdapter.read_chunk
