@@ -9,6 +9,7 @@ import gzip
 import logging
 import zlib
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -393,6 +394,25 @@ def test_dump_json_is_orjsons_encoding_within_the_depth_limit() -> None:
     with pytest.raises(InvalidRequest, match="nested more than") as caught:
         dump_json([ok], what="the frame")
     assert caught.value.code == "json_too_deep" and "the frame" in str(caught.value)
+
+
+def test_dump_json_keeps_nothing_and_works_from_any_thread() -> None:
+    # Its padding lists are built once per thread and reused: a failed encoding must leave
+    # them empty and usable, and threads must not see each other's values.
+    from services.gateway import json_body
+
+    with pytest.raises(orjson.JSONEncodeError):
+        dump_json({"x": object()})
+    with pytest.raises(InvalidRequest):
+        deep: Any = {}
+        for _ in range(MAX_JSON_DEPTH):
+            deep = [deep]
+        dump_json(deep)
+    assert json_body._PADS.inner == [None]
+    assert dump_json({"a": 1}) == b'{"a":1}'
+    with ThreadPoolExecutor(4) as pool:
+        encoded = list(pool.map(lambda i: dump_json({"i": i, "s": "x" * i}), range(300)))
+    assert encoded == [orjson.dumps({"i": i, "s": "x" * i}) for i in range(300)]
 
 
 def test_load_json_takes_exactly_the_depth_limit() -> None:
