@@ -12,6 +12,8 @@ the most self time; the raw samples go to bench/results/profile-<cell>-<process>
 (the interpreter, the kernel, uvloop, upb, orjson...), the native symbols with the most self
 time, and the kernel's functions with what they call included (the write path, say);
 `--strace` counts each service's system calls per request (`strace -c`; every worker).
+With `--native`, each process's functions by *inclusive* share of its busy samples too (the
+poll's waits and the loop's trunk left out): what each phase of a turn costs.
 `--against DIR [--pairs N]` profiles nothing: it measures this checkout (`--rollgate-root`)
 and DIR in turn, N pairs, and prints each service's CPU per request as a multiple of the
 mock's in the same run (the VM's speed moves both alike), per pair and as mean (min-max) per
@@ -105,6 +107,48 @@ def summarize(raw: Path, top: int) -> str:
     out += [f"    {n / total:6.1%}  {label}" for label, n in areas.most_common()]
     out.append(f"  top {top} functions by self time:")
     out += [f"    {n / total:6.1%}  {leaf}" for leaf, n in leaves.most_common(top)]
+    return "\n".join(out)
+
+
+# A leaf in the loop's poll: the thread waits (py-spy --native tells it apart from work).
+_WAITING = ("epoll_wait", "epoll_pwait")
+# Frames in at least this share of the busy samples are the trunk (the loop, main): left out.
+_TRUNK = 0.9
+
+
+def _function(frame: str) -> str:
+    """A frame without its line: `name (file)` for Python, the symbol for native code."""
+    name, _, where = frame.partition(" (")
+    path = where.rpartition(":")[0] if ":" in where else where.rstrip(")")
+    return f"{name} ({path.split('site-packages/')[-1]})" if path else name
+
+
+def summarize_inclusive(raw: Path, top: int) -> str:
+    """The functions with the most *inclusive* share of one raw `py-spy --native` file's busy
+    samples (a function counted once per stack however often it recurs; samples whose leaf
+    waits in the loop's poll left out; so are the trunk every busy stack runs through and the
+    frames of C sources — the loop's, CPython's — while a library's, such as a system call in
+    libc, is kept). What a turn's phases cost: the self-time view spreads them over hundreds
+    of leaves."""
+    counts: collections.Counter[str] = collections.Counter()
+    busy = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")[1:]  # the first is the thread
+        if not frames or frames[-1].startswith(_WAITING):
+            continue
+        count = int(count_text)
+        busy += count
+        for function in {_function(f) for f in frames if not f.startswith("0x")}:
+            if not function.endswith((".c)", ".h)")):  # the loop's and CPython's own C
+                counts[function] += count
+    if not busy:
+        return "  (no busy samples)"
+    rows = [(f, n) for f, n in counts.most_common() if n < _TRUNK * busy][:top]
+    out = [f"  {busy} busy samples; top {top} functions by inclusive share (trunk left out):"]
+    out += [f"    {n / busy:6.1%}  {f}" for f, n in rows]
     return "\n".join(out)
 
 
@@ -438,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             print(summarize_perf(out, args.top))
         else:
             print(summarize(out, args.top))
+            if args.native:
+                print(summarize_inclusive(out, args.top))
     return 0
 
 

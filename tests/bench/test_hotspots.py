@@ -212,3 +212,28 @@ def test_an_ab_comparison_reads_each_service_against_the_mock_of_its_own_run() -
     assert gateway[2].split() == ["change", "+10.0", "%"]
     services = lines[lines.index("  services") + 3]
     assert services.split() == ["change", "+5.0", "%"]
+
+
+def test_inclusive_shares_count_a_function_once_per_busy_stack(tmp_path: Path) -> None:
+    hotspots = _load("hotspots")
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        # Waiting in the loop's poll: not busy.
+        "thread (1);run (asyncio/runners.py:118);uv_run;epoll_pwait 60\n"
+        # Busy: `handle` twice in one stack (recursion) counts once; 0x… frames are skipped.
+        "thread (1);run (asyncio/runners.py:118);handle (services/gateway/edge.py:3);"
+        "handle (services/gateway/edge.py:9);0x7f00;dump_json (services/gateway/json_body.py:70)"
+        " 30\n"
+        "thread (1);run (asyncio/runners.py:118);uv__write (stream.c);write (libc.so.6) 10\n"
+    )
+    text = hotspots.summarize_inclusive(raw, top=5)
+    assert "40 busy samples" in text
+    rows = text.splitlines()[1:]
+    # `run` is in every busy stack: the trunk, left out.
+    assert not any("run (asyncio/runners.py)" in r for r in rows)
+    assert sorted(r.split() for r in rows) == [
+        ["25.0%", "write", "(libc.so.6)"],
+        ["75.0%", "dump_json", "(services/gateway/json_body.py)"],
+        ["75.0%", "handle", "(services/gateway/edge.py)"],
+    ]
+    assert not any("0x7f00" in r or "stream.c" in r for r in rows)
