@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -82,17 +83,21 @@ def area_of(frame: str) -> str:
     return "other Python"
 
 
+def stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
+    """The stacks of one raw py-spy file (`frame;frame;… count` per line), outermost first,
+    and how many samples each had."""
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if stack:
+            yield stack.split(";"), int(count_text)
+
+
 def summarize(raw: Path, top: int) -> str:
     """Shares by area and the top self-time functions of one raw py-spy file."""
     areas: collections.Counter[str] = collections.Counter()
     leaves: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
+    for frames, count in stacks(raw):
         # py-spy's first frame is the thread ("process 1:"; "thread (0x…)"), the last the leaf.
         leaf = frames[-1]
         if leaf.startswith(("process ", "thread ")):
@@ -132,14 +137,10 @@ def summarize_inclusive(raw: Path, top: int) -> str:
     of leaves."""
     counts: collections.Counter[str] = collections.Counter()
     busy = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
-        frames = stack.split(";")[1:]  # the first is the thread
+    for thread_and_frames, count in stacks(raw):
+        frames = thread_and_frames[1:]  # the first is the thread
         if not frames or frames[-1].startswith(_WAITING):
             continue
-        count = int(count_text)
         busy += count
         for function in {_function(f) for f in frames if not f.startswith("0x")}:
             if not function.endswith((".c)", ".h)")):  # the loop's and CPython's own C

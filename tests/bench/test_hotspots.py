@@ -26,16 +26,22 @@ def _load(name: str) -> ModuleType:
         sys.path.remove(str(BENCH))
 
 
-def test_samples_are_summed_by_area_and_by_leaf(tmp_path: Path) -> None:
-    hotspots = _load("hotspots")
+def _raw(tmp_path: Path, *stacks: str) -> Path:
+    """A raw py-spy file of these `frame;frame;… count` lines."""
     raw = tmp_path / "raw.txt"
-    raw.write_text(
-        "thread (1);run (asyncio/runners.py:118) 50\n"
-        "thread (1);run (asyncio/runners.py:118);send (services/runtime/framed.py:183) 30\n"
-        "thread (1);run (asyncio/runners.py:118);x (services/gateway/relay.py:9) 15\n"
-        "thread (2) 5\n"
+    raw.write_text("".join(stack + "\n" for stack in stacks))
+    return raw
+
+
+def test_samples_are_summed_by_area_and_by_leaf(tmp_path: Path) -> None:
+    raw = _raw(
+        tmp_path,
+        "thread (1);run (asyncio/runners.py:118) 50",
+        "thread (1);run (asyncio/runners.py:118);send (services/runtime/framed.py:183) 30",
+        "thread (1);run (asyncio/runners.py:118);x (services/gateway/relay.py:9) 15",
+        "thread (2) 5",
     )
-    text = hotspots.summarize(raw, top=2)
+    text = _load("hotspots").summarize(raw, top=2)
     assert "100 samples" in text
     assert " 50.0%  asyncio" in text
     assert " 30.0%  rollgate: runtime/framed" in text
@@ -215,18 +221,17 @@ def test_an_ab_comparison_reads_each_service_against_the_mock_of_its_own_run() -
 
 
 def test_inclusive_shares_count_a_function_once_per_busy_stack(tmp_path: Path) -> None:
-    hotspots = _load("hotspots")
-    raw = tmp_path / "raw.txt"
-    raw.write_text(
+    raw = _raw(
+        tmp_path,
         # Waiting in the loop's poll: not busy.
-        "thread (1);run (asyncio/runners.py:118);uv_run;epoll_pwait 60\n"
+        "thread (1);run (asyncio/runners.py:118);uv_run;epoll_pwait 60",
         # Busy: `handle` twice in one stack (recursion) counts once; 0x… frames are skipped.
         "thread (1);run (asyncio/runners.py:118);handle (services/gateway/edge.py:3);"
         "handle (services/gateway/edge.py:9);0x7f00;dump_json (services/gateway/json_body.py:70)"
-        " 30\n"
-        "thread (1);run (asyncio/runners.py:118);uv__write (stream.c);write (libc.so.6) 10\n"
+        " 30",
+        "thread (1);run (asyncio/runners.py:118);uv__write (stream.c);write (libc.so.6) 10",
     )
-    text = hotspots.summarize_inclusive(raw, top=5)
+    text = _load("hotspots").summarize_inclusive(raw, top=5)
     assert "40 busy samples" in text
     rows = text.splitlines()[1:]
     # `run` is in every busy stack: the trunk, left out.
