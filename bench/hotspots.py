@@ -290,15 +290,16 @@ def ab_report(
     lines = [f"CPU per request as a multiple of the mock's, {len(pairs)} alternating pairs:"]
     for kind in first[0]:
         lines.append(f"  {kind}")
+        means = []
         for side, runs in zip(sides, (first, second), strict=True):
             values = [r[kind] for r in runs]
-            mean = sum(values) / len(values)
+            means.append(sum(values) / len(values))
             each = " ".join(f"{v:.3f}" for v in values)
             lines.append(
-                f"    {side:{width}s} {mean:.3f} ({min(values):.3f}-{max(values):.3f})  [{each}]"
+                f"    {side:{width}s} {means[-1]:.3f} ({min(values):.3f}-{max(values):.3f})  "
+                f"[{each}]"
             )
-        a = sum(r[kind] for r in first) / len(first)
-        b = sum(r[kind] for r in second) / len(second)
+        a, b = means
         lines.append(f"    {'change':{width}s} {100 * (a - b) / b:+.1f} %")
     return "\n".join(lines)
 
