@@ -408,8 +408,8 @@ class Http1Response:
         if self._framing:
             data = self._framing + data
             self._framing = b""
-        at = 0
         end = len(data)
+        at = self._whole_chunks(data, end) if self._chunk_left == 0 else 0
         while at < end:
             left = self._chunk_left
             if left > 0:  # inside a chunk's data
@@ -449,6 +449,32 @@ class Http1Response:
             if size < 0:
                 raise HttpError("a chunk size of the upstream's answer is not a number")
             self._chunk_left = size if size else _TRAILERS
+
+    def _whole_chunks(self, data: bytes, end: int) -> int:
+        """The usual read, whole chunks from its start (a size line, the data, its CRLF),
+        each taken in one step and all pushed as one piece; returns where the rest begins
+        (a chunk cut by the read's end, the last chunk, anything unusual), which the general
+        loop reads, raising what it finds wrong."""
+        at = 0
+        pieces: list[bytes] = []
+        find = data.find
+        while True:
+            stop = find(b"\r\n", at)
+            if stop < 0:
+                break
+            try:
+                size = int(data[at:stop], 16)  # a chunk extension (`;`) is the loop's to read
+            except ValueError:
+                break
+            start = stop + 2
+            after = start + size
+            if size <= 0 or after + 2 > end or data[after : after + 2] != b"\r\n":
+                break
+            pieces.append(data[start:after])
+            at = after + 2
+        if pieces:
+            self._push(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        return at
 
     def _push(self, data: bytes) -> None:
         if data:

@@ -94,10 +94,15 @@ async def test_a_content_length_answer_and_the_request_as_sent() -> None:
     assert "Authorization: Bearer k" in head
 
 
-@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 64])
-async def test_a_chunked_answer_cut_anywhere_reads_whole(cut: int) -> None:
-    chunks = [b"data: one\n\n", b"data: two\n\n", b"x" * 40]
-    wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\nT: v\r\n\r\n"
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 64, 20_000])
+@pytest.mark.parametrize(
+    "size", [b"%x", b"%x;ext=1", b"%X  "], ids=["plain", "extension", "spaces"]
+)
+async def test_a_chunked_answer_cut_anywhere_reads_whole(cut: int, size: bytes) -> None:
+    # Plain sizes in reads that hold whole chunks take the one-step path (`_whole_chunks`);
+    # an extension, or a chunk cut by the read, the general loop.
+    chunks = [b"data: one\n\n", b"data: two\n\n", b"x" * 40, b"y" * 300]
+    wire = b"".join(size % len(c) + b"\r\n" + c + b"\r\n" for c in chunks) + b"0\r\nT: v\r\n\r\n"
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + wire
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -208,6 +213,11 @@ async def test_a_reused_connection_that_fails_before_answering_is_retried_once_a
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "colon"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n", "chunk size"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n5\r\nhelloXX0\r\n\r\n",
+            "malformed",
+        ),
     ],
 )
 async def test_what_is_not_http_fails_clearly(answer: bytes, what: str) -> None:
