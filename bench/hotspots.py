@@ -11,7 +11,10 @@ the most self time; the raw samples go to bench/results/profile-<cell>-<process>
 `--perf` samples with `perf record -g` instead of py-spy: each process's CPU by shared object
 (the interpreter, the kernel, uvloop, upb, orjson...), the native symbols with the most self
 time, and the kernel's functions with what they call included (the write path, say);
-`--strace` counts each service's system calls per request (`strace -c`; every worker).
+`--strace` counts each service's system calls per request (`strace -c`; every worker);
+`--lines` counts the Python lines each function of each service runs per request (a line
+tracer, bench/linetrace/: exact where samples are not — a loop per chunk shows as dozens of
+lines per request — and five to ten times slower, so read the counts, not the CPU).
 With `--native`, each process's functions by *inclusive* share of its busy samples too (the
 poll's waits and the loop's trunk left out): what each phase of a turn costs.
 `--against DIR [--pairs N]` profiles nothing: it measures this checkout (`--rollgate-root`)
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import pstats
 import shutil
 import signal
@@ -45,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run
 
 RESULTS = run.RESULTS
+# A sitecustomize that counts each function's lines (`--lines`).
+LINETRACE = Path(__file__).resolve().parent / "linetrace"
 PROFILED = ("gateway", "dataproxy", "worker")
 # The checkout's top-level packages the services import (the shim checkout links each).
 PACKAGES = ("services", "protos", "schema", "stackconfig", "chatml", "grpcpoller", "rollgate")
@@ -151,6 +157,35 @@ def summarize_inclusive(raw: Path, top: int) -> str:
     out = [f"  {busy} busy samples; top {top} functions by inclusive share (trunk left out):"]
     out += [f"    {n / busy:6.1%}  {f}" for f, n in rows]
     return "\n".join(out)
+
+
+def _short(path: str) -> str:
+    """A frame's file as the summaries name it: from site-packages or the checkout on."""
+    for marker in ("site-packages/", "/services/", "/bench/", "/lib/python3"):
+        at = path.find(marker)
+        if at >= 0:
+            return path[at + (len(marker) if marker == "site-packages/" else 1) :]
+    return path
+
+
+def summarize_lines(directory: Path, requests: int, top: int) -> str:
+    """The line tracer's counts (bench/linetrace/): per service kind (the workers summed), the
+    Python lines run per request and the functions that run the most."""
+    by_kind: dict[str, collections.Counter[str]] = {}
+    for dump in sorted(directory.glob("*.tsv")):
+        kind = dump.stem.rsplit("-", 1)[0]
+        counts = by_kind.setdefault(kind, collections.Counter())
+        for row in dump.read_text(encoding="utf-8").splitlines():
+            count, where, function = row.split("\t")
+            file, _, line = where.rpartition(":")
+            counts[f"{function} ({_short(file)}:{line})"] += int(count)
+    out = []
+    per = max(requests, 1)
+    for kind in sorted(by_kind):
+        counts = by_kind[kind]
+        out.append(f"\n## {kind}: {sum(counts.values()) / per:.0f} Python lines per request")
+        out += [f"  {n / per:9.1f}  {name}" for name, n in counts.most_common(top)]
+    return "\n".join(out) if out else "  (the line tracer wrote nothing)"
 
 
 def summarize_perf(data: Path, top: int) -> str:
@@ -369,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=PROFILED,
         help="run this service under cProfile (CPU clock) instead of sampling it with py-spy",
     )
+    parser.add_argument(
+        "--lines",
+        action="store_true",
+        help="count the Python lines each service's functions run per request (a line tracer, "
+        "bench/linetrace/) instead of sampling",
+    )
     parser.add_argument("--rollgate-root", default=str(run.REPO))
     parser.add_argument(
         "--against",
@@ -383,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
         return _against(next(c for c in run.CELLS if c.name == args.cell), args)
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not args.idle and not Path(spy).exists():
+    if not (args.idle or args.lines) and not Path(spy).exists():
         print("py-spy is missing: pip install py-spy", file=sys.stderr)
         return 2
     uvloop.install()
@@ -394,6 +435,16 @@ def main(argv: list[str] | None = None) -> int:
         stats = RESULTS / f"cprofile-{cell.name}-{args.cprofile}.prof"
         if args.cprofile:
             root = _cprofile_root(Path(args.rollgate_root), Path(tmp), args.cprofile, stats)
+            args.rate = 0
+        traced = Path(tmp) / "lines"
+        if args.lines:
+            traced.mkdir()
+            paths = [str(LINETRACE), *filter(None, [os.environ.get("PYTHONPATH")])]
+            args.env = [
+                *args.env,
+                ("PYTHONPATH", os.pathsep.join(paths)),
+                ("ROLLGATE_LINE_TRACE_DIR", str(traced)),
+            ]
             args.rate = 0
         run_args = argparse.Namespace(rollgate_root=root, workers=args.workers, env=args.env)
         with run.environment(cell, run_args, Path(tmp)) as env:
@@ -446,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     ),
                 )  # fmt: skip
+            traced_pids = [p for n, p in pids.items() if run.kind_of(n) in run.SERVICE_KINDS]
+            for pid in traced_pids if args.lines else ():
+                os.kill(pid, signal.SIGUSR2)  # the count starts again: after the warm-up
             before, switched = env.processes.cpu_split(), env.processes.switches()
             requests, errors = asyncio.run(_load(env, cell, args.seconds))
             after, switches = env.processes.cpu_split(), env.processes.switches()
@@ -453,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.strace:
                     process.send_signal(signal.SIGINT)  # strace -c writes its table then
                 process.wait(timeout=60)
+        # The services wrote their counts as they stopped.
+        lines = summarize_lines(traced, requests, args.top) if args.lines else ""
     print(f"{cell.title}: {requests} requests, {errors} errors in {args.seconds:.0f} s")
     print("CPU ms per request (user + system); context switches per request (waited, preempted):")
     total = 0.0
@@ -472,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'services':12s} {total:6.3f}")
     if args.cprofile:
         _show_cprofile(stats, args.top)
+    if args.lines:
+        print(lines)
     for name, (out, _) in spies.items():
         print(f"\n## {name} ({out})")
         if not out.exists():

@@ -242,3 +242,57 @@ def test_inclusive_shares_count_a_function_once_per_busy_stack(tmp_path: Path) -
         ["75.0%", "handle", "(services/gateway/edge.py)"],
     ]
     assert not any("0x7f00" in r or "stream.c" in r for r in rows)
+
+
+def test_the_line_tracer_counts_each_function_s_lines_from_its_restart(tmp_path: Path) -> None:
+    # A package run with `-m`, as the services are: its dump is named after the package.
+    package = tmp_path / "svc"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(
+        "import os, signal\n"
+        "def three():\n"
+        "    a = 1\n"
+        "    b = 2\n"
+        "    return a + b\n"
+        "for _ in range(5):\n"
+        "    three()\n"
+        "os.kill(os.getpid(), signal.SIGUSR2)  # the count starts again\n"
+        "for _ in range(4):\n"
+        "    three()\n"
+    )
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(BENCH / "linetrace"), str(tmp_path)]),
+        "ROLLGATE_LINE_TRACE_DIR": str(dumps),
+    }
+    subprocess.run([sys.executable, "-m", "svc"], env=env, check=True, timeout=60)
+    (dump,) = dumps.glob("*.tsv")
+    assert dump.name.startswith("svc-")
+    rows = {row.split("\t")[2]: row.split("\t") for row in dump.read_text().splitlines()}
+    assert rows["three"][0] == "12"  # 3 lines, 4 calls after the restart (5 before it)
+    assert rows["three"][1] == f"{package / '__main__.py'}:2"
+
+
+def test_the_line_counts_are_summed_per_service_kind_and_request(tmp_path: Path) -> None:
+    (tmp_path / "worker-11.tsv").write_text(
+        "300\t/x/.venv/lib/python3.11/site-packages/prometheus_client/metrics.py:667\tobserve\n"
+        "100\t/x/services/worker/http1.py:402\tHttp1Response._dechunk\n"
+    )
+    (tmp_path / "worker-12.tsv").write_text("100\t/x/services/worker/http1.py:402\t_dechunk\n")
+    (tmp_path / "gateway-13.tsv").write_text("50\t/x/services/gateway/chat.py:103\tchat\n")
+    text = _load("hotspots").summarize_lines(tmp_path, requests=10, top=5)
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[0] == "## gateway: 5 Python lines per request"
+    assert lines[1].split() == ["5.0", "chat", "(services/gateway/chat.py:103)"]
+    assert lines[2] == "## worker: 50 Python lines per request"
+    # Both workers' counts of a function add up; files are named from the package on.
+    assert lines[3].split() == ["30.0", "observe", "(prometheus_client/metrics.py:667)"]
+    assert sorted(lines[4:]) == sorted(
+        [
+            "       10.0  Http1Response._dechunk (services/worker/http1.py:402)",
+            "       10.0  _dechunk (services/worker/http1.py:402)",
+        ]
+    )
