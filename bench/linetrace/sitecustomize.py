@@ -7,7 +7,9 @@ times slower: the counts are the point, not the time); SIGUSR2 starts the count 
 measurement begins after the warm-up); at exit the counts go to
 `<dir>/<service>-<pid>.tsv`, one `count<TAB>file:first line<TAB>function` row per function.
 A count is exact where a sample is not: a loop that runs per chunk shows as lines per request
-in the dozens or hundreds. Without the variable this module does nothing.
+in the dozens or hundreds. Without the variable this module does nothing. (It takes the
+place of an interpreter's own `sitecustomize`, which Debian's python3 has, while it is on the
+path: only the services of a `--lines` run see it.)
 """
 
 from __future__ import annotations
