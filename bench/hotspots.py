@@ -183,7 +183,13 @@ def summarize_lines(directory: Path, requests: int, top: int) -> str:
     per = max(requests, 1)
     for kind in sorted(by_kind):
         counts = by_kind[kind]
-        out.append(f"\n## {kind}: {sum(counts.values()) / per:.0f} Python lines per request")
+        total = sum(counts.values())
+        out.append(f"\n## {kind}: {total / per:.0f} Python lines per request; by area:")
+        areas: collections.Counter[str] = collections.Counter()
+        for name, n in counts.items():
+            areas[area_of(name)] += n
+        out += [f"  {100 * n / total:8.1f}%  {area}" for area, n in areas.most_common()]
+        out.append("  the functions that run the most (lines per request):")
         out += [f"  {n / per:9.1f}  {name}" for name, n in counts.most_common(top)]
     return "\n".join(out) if out else "  (the line tracer wrote nothing)"
 

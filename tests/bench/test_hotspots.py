@@ -285,12 +285,17 @@ def test_the_line_counts_are_summed_per_service_kind_and_request(tmp_path: Path)
     (tmp_path / "gateway-13.tsv").write_text("50\t/x/services/gateway/chat.py:103\tchat\n")
     text = _load("hotspots").summarize_lines(tmp_path, requests=10, top=5)
     lines = [line for line in text.splitlines() if line.strip()]
-    assert lines[0] == "## gateway: 5 Python lines per request"
-    assert lines[1].split() == ["5.0", "chat", "(services/gateway/chat.py:103)"]
-    assert lines[2] == "## worker: 50 Python lines per request"
+    assert lines[0] == "## gateway: 5 Python lines per request; by area:"
+    assert lines[1].split() == ["100.0%", "rollgate:", "gateway"]
+    assert lines[3].split() == ["5.0", "chat", "(services/gateway/chat.py:103)"]
+    assert lines[4] == "## worker: 50 Python lines per request; by area:"
+    assert [line.split() for line in lines[5:7]] == [
+        ["60.0%", "prometheus"],
+        ["40.0%", "rollgate:", "worker"],
+    ]
     # Both workers' counts of a function add up; files are named from the package on.
-    assert lines[3].split() == ["30.0", "observe", "(prometheus_client/metrics.py:667)"]
-    assert sorted(lines[4:]) == sorted(
+    assert lines[8].split() == ["30.0", "observe", "(prometheus_client/metrics.py:667)"]
+    assert sorted(lines[9:]) == sorted(
         [
             "       10.0  Http1Response._dechunk (services/worker/http1.py:402)",
             "       10.0  _dechunk (services/worker/http1.py:402)",
