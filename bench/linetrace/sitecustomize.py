@@ -2,8 +2,9 @@
 
 Python imports `sitecustomize` at start-up from its path: `bench/hotspots.py --lines` puts
 this directory on the services' PYTHONPATH and names a directory in ROLLGATE_LINE_TRACE_DIR.
-Then every thread counts each line it runs against its function (`sys.settrace`, five to ten
-times slower: the counts are the point, not the time); SIGUSR2 starts the count again (the
+Then every Python thread counts each line it runs against its function (`sys.settrace`, five
+to ten times slower: the counts are the point, not the time; a thread C code started, such as
+gRPC's own, is not counted); SIGUSR2 starts the count again (the
 measurement begins after the warm-up); at exit the counts go to
 `<dir>/<service>-<pid>.tsv`, one `count<TAB>file:first line<TAB>function` row per function.
 A count is exact where a sample is not: a loop that runs per chunk shows as lines per request
