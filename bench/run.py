@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 import urllib.error
 import urllib.request
 import uuid
@@ -634,6 +635,20 @@ def _show_cell(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def machine_speed_us() -> float:
+    """How long `sum(range(1000))` takes this interpreter now, best of seven (µs): a shared
+    VM's speed moves by tens of per cent between hours, and every run says where it was."""
+    return min(timeit.repeat("sum(range(1000))", number=20_000, repeat=7)) / 20_000 * 1e6
+
+
+def machine_line(when: str, speed_us: float) -> str:
+    """The machine's speed as a run prints it, with the interpreter it was measured on."""
+    version = ".".join(map(str, sys.version_info[:3]))
+    return (
+        f"machine {when}: sum(range(1000)) {speed_us:.1f} µs (Python {version}, {sys.executable})"
+    )
+
+
 def table(summaries: list[dict[str, Any]]) -> str:
     """The README's table: one row per cell, medians (min-max over rounds)."""
     rows = [
@@ -762,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     uvloop.install()
     summaries: list[dict[str, Any]] = []
     raw: dict[str, Any] = {"args": vars(args), "cells": {}}
+    raw["machine_speed_us"] = {"start": machine_speed_us()}
+    print(machine_line("at the start", raw["machine_speed_us"]["start"]), flush=True)
     growth: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="rollgate-bench-") as tmp:
         for cell in CELLS:
@@ -782,6 +799,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_show_growth(growth), "\n", flush=True)
     if summaries:
         print(table(summaries))
+    raw["machine_speed_us"]["end"] = machine_speed_us()
+    print(machine_line("at the end", raw["machine_speed_us"]["end"]))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     raw["summaries"] = summaries

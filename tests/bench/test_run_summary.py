@@ -53,3 +53,15 @@ def test_a_cell_s_cpu_is_read_per_request_and_against_the_floor_and_the_mock() -
     assert header.rstrip(" |").endswith("services / mock")
     assert row.endswith("| 3.3x | 4.00 |")
     assert "services / mock 4.00" in run._show_cell(summary)
+
+
+def test_a_run_says_how_fast_the_machine_was_and_on_which_interpreter() -> None:
+    import sys
+
+    run = _load("run")
+    speed = run.machine_speed_us()
+    # sum(range(1000)) is a thousand additions: microseconds on any machine this runs on.
+    assert 0.5 < speed < 1000.0
+    line = run.machine_line("at the start", 12.34)
+    assert line.startswith("machine at the start: sum(range(1000)) 12.3 µs (Python 3.")
+    assert line.endswith(f", {sys.executable})")
