@@ -127,11 +127,20 @@ _WAITING = ("epoll_wait", "epoll_pwait")
 _TRUNK = 0.9
 
 
+def _short(path: str) -> str:
+    """A frame's file as the summaries name it: from site-packages or the checkout on."""
+    for marker in ("site-packages/", "/services/", "/bench/", "/lib/python3"):
+        at = path.find(marker)
+        if at >= 0:
+            return path[at + (len(marker) if marker == "site-packages/" else 1) :]
+    return path
+
+
 def _function(frame: str) -> str:
     """A frame without its line: `name (file)` for Python, the symbol for native code."""
     name, _, where = frame.partition(" (")
     path = where.rpartition(":")[0] if ":" in where else where.rstrip(")")
-    return f"{name} ({path.split('site-packages/')[-1]})" if path else name
+    return f"{name} ({_short(path)})" if path else name
 
 
 def summarize_inclusive(raw: Path, top: int) -> str:
@@ -157,15 +166,6 @@ def summarize_inclusive(raw: Path, top: int) -> str:
     out = [f"  {busy} busy samples; top {top} functions by inclusive share (trunk left out):"]
     out += [f"    {n / busy:6.1%}  {f}" for f, n in rows]
     return "\n".join(out)
-
-
-def _short(path: str) -> str:
-    """A frame's file as the summaries name it: from site-packages or the checkout on."""
-    for marker in ("site-packages/", "/services/", "/bench/", "/lib/python3"):
-        at = path.find(marker)
-        if at >= 0:
-            return path[at + (len(marker) if marker == "site-packages/" else 1) :]
-    return path
 
 
 def summarize_lines(directory: Path, requests: int, top: int) -> str:

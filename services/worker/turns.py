@@ -280,7 +280,7 @@ class _StreamedAnswer:
                         batch.append(orjson.dumps(chunk))
                     continue
                 group.read_chunk(chunk)
-                if group.main.output_seen:
+                if main.output_seen:
                     self._clock.mark_first_token()
                 if mark is not None:
                     continue
